@@ -1,0 +1,132 @@
+"""What every backend provides: trace a variant's ranks into a build directory, and load them back to run.
+
+A backend's ``trace`` writes the rank files (exactly ``members(variant)``) into a temporary directory beside the
+final one and renames it into place only when every rank succeeded. ``load`` returns a ``RankRunner`` that executes
+the traced entry points on all ranks at once and hands back rank 0's outputs (all ranks hold the same gathered
+logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PREFILL_MODES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class BuildShape:
+    """The variant fields that decide what is traced."""
+
+    kv_max: int
+    bucket: int
+    dtype: str
+    prefill: str
+    tp_degree: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these settings, each naming the ``variant.*`` key and the fix."""
+        found = []
+        if self.dtype not in DTYPES:
+            found.append(f"variant.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.prefill not in PREFILL_MODES:
+            found.append(f"variant.prefill={self.prefill!r} is not one of {list(PREFILL_MODES)}")
+        if self.tp_degree < 1:
+            found.append(f"variant.tp_degree={self.tp_degree} must be at least 1")
+        if self.bucket < 1 or self.kv_max < 1:
+            found.append(f"variant.kv_max={self.kv_max} and variant.bucket={self.bucket} must be positive")
+        elif self.bucket > self.kv_max:
+            found.append(f"variant.bucket={self.bucket} is larger than variant.kv_max={self.kv_max}: "
+                         "a prefill bucket must fit in the KV cache; lower bucket or raise kv_max")
+        elif self.kv_max % self.bucket:
+            fit = self.kv_max - self.kv_max % self.bucket
+            found.append(f"variant.kv_max={self.kv_max} is not a multiple of variant.bucket={self.bucket}: a padded "
+                         f"last bucket would run past the cache; use kv_max={fit} or {fit + self.bucket}")
+        return found
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The traced entry points: device prefill has a prefill graph next to decode; host prefill decodes only."""
+        return ("prefill", "decode") if self.prefill == "device" else ("decode",)
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    directory: Path
+    text_prefix: str
+    head_key: str = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    checkpoint: CheckpointRef
+    shape: BuildShape
+    compiler_args: tuple[str, ...] = ()
+    workdir: Path | None = None
+    max_parallel: int = 0  # ranks compiled at once; 0 means all
+    options: dict = field(default_factory=dict)
+
+
+class RankRunner(Protocol):
+    """A loaded build: every call runs on all ranks and returns rank 0's ``(logits [1, vocab] fp32, token [1])``."""
+
+    shape: BuildShape
+
+    def prefill(self, embeds, per_layer_tokens, positions, last_index) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def decode(self, embeds, per_layer_tokens, positions, last_index) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
+        """Write host-computed caches (``cache_names()`` order, rank r's heads) into each rank."""
+
+    def reset(self) -> None:
+        """Zero every rank's KV caches (between prompts)."""
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def members(self, shape: BuildShape) -> list[str]:
+        """The exact file names a build directory holds."""
+
+    def compiler_id(self, toolchain: dict) -> str:
+        """The compiler part of a version name, e.g. ``ncc2.23.6484.0`` or ``cpu-torch2.13.0``."""
+
+    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
+        """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
+
+    def load(self, build_dir: Path, shape: BuildShape) -> RankRunner: ...
+
+
+def rank_members(tp_degree: int) -> list[str]:
+    return [f"tp_{rank}.pt" for rank in range(tp_degree)]
+
+
+def check_request(request: TraceRequest):
+    """Every check that needs no tracing: the variant's settings, the model's split, the checkpoint's tensors.
+
+    Runs before any rank process starts or any output directory is created. Returns the model's spec.
+    """
+    from pipeline.errors import ConfigError
+    from pipeline.recipe.checkpoint import Checkpoint
+    from pipeline.recipe.plan import ShardPlan
+    from pipeline.recipe.spec import load_spec
+
+    problems = request.shape.problems()
+    if problems:
+        raise ConfigError(problems)
+    spec = load_spec(request.checkpoint.directory)
+    ShardPlan(spec, request.shape.tp_degree).check()
+    with Checkpoint(request.checkpoint.directory, request.checkpoint.text_prefix, request.checkpoint.head_key) as ckpt:
+        ckpt.verify(spec)
+    return spec

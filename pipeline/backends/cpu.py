@@ -1,0 +1,328 @@
+"""The cpu backend: the recipe traced with TorchScript, one process per rank, real gloo collectives.
+
+Trace: ``tp_degree`` processes join a gloo group; each slices its own weights from the safetensors files, builds its
+``StatefulRank``, traces the variant's entry points (``prefill`` and ``decode`` of one module, so they share weights
+and caches) with ``torch.jit.trace_module``, zeroes the caches and saves ``tp_<rank>.pt``. The collectives run for
+real during tracing, exactly as the neuron backend's ranks compile concurrently.
+
+Load: ``tp_degree`` fresh processes join a new gloo group and ``torch.jit.load`` their rank; the parent sends each
+step's inputs to every rank and reads rank 0's outputs. This is what proves the sharding recipe token for token
+before anyone pays for an inf2 instance.
+
+Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import resource
+import shutil
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
+from pipeline.errors import BuildError
+from pipeline.fsutil import sha256_file, staged_dir
+
+# Collectives in a saved rank name their process group; every process group this backend creates is the default
+# (WORLD) group, which torch names "0".
+GROUP_NAME = "0"
+
+
+# -- tensors over pipes (by value: torch's shared-memory reduction costs more than it saves for per-token inputs) --
+
+def pack(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    t = t.detach().contiguous()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def unpack(packed: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
+    dtype, shape, data = packed
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _threads_per_rank(tp_degree: int) -> int:
+    return max(1, (os.cpu_count() or 1) // tp_degree)
+
+
+def _init_group(rank: int, tp_degree: int, init_file: str) -> None:
+    if tp_degree == 1:
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_degree)
+    name = dist.group.WORLD.group_name
+    if name != GROUP_NAME:
+        raise RuntimeError(f"gloo default group is named {name!r}, traced ranks expect {GROUP_NAME!r}")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
+    """Deterministic example inputs of one entry point (values never matter: there is no data-dependent control)."""
+    embeds = torch.zeros(1, tokens, spec.hidden_size)
+    per_layer = torch.zeros(1, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
+    return embeds, per_layer, torch.arange(tokens).view(1, tokens), torch.tensor([tokens - 1])
+
+
+# -- rank processes -------------------------------------------------------------------------------------------------
+
+def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
+    from pipeline.recipe.checkpoint import Checkpoint
+    from pipeline.recipe.model import build_rank
+    from pipeline.recipe.parallel import Parallel
+    from pipeline.recipe.plan import ShardPlan, load_rank_state
+    from pipeline.recipe.spec import load_spec
+
+    shape = request.shape
+    started = time.monotonic()
+    spec = load_spec(request.checkpoint.directory)
+    plan = ShardPlan(spec, shape.tp_degree)
+    with Checkpoint(request.checkpoint.directory, request.checkpoint.text_prefix, request.checkpoint.head_key) as ckpt:
+        state = load_rank_state(ckpt, plan, rank, shape.torch_dtype)
+    module = build_rank(spec, plan, Parallel(shape.tp_degree, GROUP_NAME), shape.kv_max, shape.torch_dtype, state)
+    del state
+    loaded = time.monotonic()
+    examples = {"prefill": example_inputs(spec, shape.bucket), "decode": example_inputs(spec, 1)}
+    with torch.no_grad():
+        traced = torch.jit.trace_module(module, {e: examples[e] for e in shape.entries}, check_trace=False)
+        for name, buf in traced.named_buffers():
+            if "_cache_" in name:
+                buf.zero_()  # tracing ran the examples through the caches
+    path = Path(out_dir) / f"tp_{rank}.pt"
+    torch.jit.save(traced, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {
+        "rank": rank,
+        "load_s": round(loaded - started, 3),
+        "trace_s": round(time.monotonic() - loaded, 3),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "file": path.name,
+        "size": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
+
+
+def _serve_rank(rank: int, build_dir: str, conn) -> None:
+    module = torch.jit.load(str(Path(build_dir) / f"tp_{rank}.pt"))
+    caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
+    conn.send(("ready", {"rank": rank, "peak_rss_bytes": _peak_rss_bytes()}))
+    while True:
+        command, payload = conn.recv()
+        if command == "step":
+            entry, packed = payload
+            inputs = [unpack(p) for p in packed]
+            started = time.perf_counter()
+            with torch.no_grad():
+                logits, token = getattr(module, entry)(*inputs)
+            elapsed = time.perf_counter() - started
+            conn.send(("ok", (pack(logits), pack(token), elapsed) if rank == 0 else elapsed))
+        elif command == "seed":
+            for buf, packed in zip(caches, payload, strict=True):
+                buf.copy_(unpack(packed))
+            conn.send(("ok", None))
+        elif command == "reset":
+            for buf in caches:
+                buf.zero_()
+            conn.send(("ok", None))
+        elif command == "stats":
+            conn.send(("ok", {"peak_rss_bytes": _peak_rss_bytes()}))
+        elif command == "close":
+            conn.send(("ok", None))
+            return
+
+
+def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> None:
+    try:
+        torch.set_num_threads(_threads_per_rank(tp_degree))
+        _init_group(rank, tp_degree, init_file)
+        if job[0] == "trace":
+            conn.send(("ok", _trace_rank(rank, job[1], job[2])))
+        else:
+            _serve_rank(rank, job[1], conn)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if tp_degree > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class RankGroup:
+    """``tp_degree`` spawned rank processes and a pipe to each. Any rank's failure stops them all."""
+
+    def __init__(self, tp_degree: int, job: tuple):
+        self.tp_degree = tp_degree
+        self._rendezvous = tempfile.mkdtemp(prefix="gemma4-gloo-")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(tp_degree):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+                               args=(rank, tp_degree, os.path.join(self._rendezvous, "init"), job, child))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def receive_all(self, timeout: float | None = None) -> list:
+        """One reply from every rank, in rank order; raises ``BuildError`` naming the first rank that failed."""
+        replies: dict[int, object] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.tp_degree:
+            pending = {self.conns[r]: r for r in range(self.tp_degree) if r not in replies}
+            sentinels = {self.procs[r].sentinel: r for r in range(self.tp_degree) if r not in replies}
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending) + list(sentinels), timeout=left)
+            if not ready:
+                self.terminate()
+                raise BuildError(f"ranks {sorted(pending.values())} did not answer within {timeout:.0f} s")
+            for obj in ready:
+                if obj in pending:
+                    rank = pending[obj]
+                    try:
+                        status, payload = obj.recv()
+                    except EOFError:
+                        continue  # the process died; its sentinel reports how
+                    if status == "error":
+                        self.terminate()
+                        raise BuildError(f"rank {rank} failed: {payload}")
+                    replies[rank] = payload
+                elif obj in sentinels:
+                    rank = sentinels[obj]
+                    if rank in replies or self.conns[rank].poll():
+                        continue
+                    self.procs[rank].join(timeout=5)  # reap it, so the exit code is known
+                    code = self.procs[rank].exitcode
+                    self.terminate()
+                    raise BuildError(describe_exit(rank, code))
+        return [replies[r] for r in range(self.tp_degree)]
+
+    def send_all(self, message) -> None:
+        for conn in self.conns:
+            conn.send(message)
+
+    def terminate(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def join(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=30)
+        self.terminate()
+
+
+def describe_exit(rank: int, code: int | None) -> str:
+    if code is not None and code < 0 and -code == 9:
+        return (f"rank {rank} was killed by SIGKILL (exit -9): most likely the out-of-memory killer. "
+                "Check host RAM and swap (the preflight figures are in the log), or lower backend.max_parallel.")
+    return f"rank {rank} exited unexpectedly with code {code}"
+
+
+# -- the backend --------------------------------------------------------------------------------------------------
+
+class CpuBackend:
+    name = "cpu"
+
+    def members(self, shape: BuildShape) -> list[str]:
+        return rank_members(shape.tp_degree)
+
+    def compiler_id(self, toolchain: dict) -> str:
+        version = str(toolchain.get("torch", {}).get("version") or torch.__version__)
+        return "cpu-torch" + version.split("+")[0]
+
+    def compiler_info(self) -> dict:
+        return {"compiler": "torch.jit.trace", "torch": torch.__version__, "python": platform.python_version()}
+
+    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
+        shape = request.shape
+        check_request(request)
+        started = time.monotonic()
+        with staged_dir(Path(out_dir)) as tmp:
+            group = RankGroup(shape.tp_degree, ("trace", request, str(tmp)))
+            try:
+                ranks = group.receive_all()
+            finally:
+                group.join()
+            found = sorted(p.name for p in tmp.iterdir())
+            if found != sorted(self.members(shape)):
+                raise BuildError(f"trace wrote {found}, expected exactly {self.members(shape)}")
+        return {
+            "ranks": ranks,
+            "wall_s": round(time.monotonic() - started, 3),
+            "entries": list(shape.entries),
+            "group_name": GROUP_NAME,
+            **self.compiler_info(),
+        }
+
+    def load(self, build_dir: Path, shape: BuildShape) -> CpuRunner:
+        return CpuRunner(Path(build_dir), shape)
+
+
+class CpuRunner(RankRunner):
+    def __init__(self, build_dir: Path, shape: BuildShape):
+        self.shape = shape
+        started = time.monotonic()
+        self.group = RankGroup(shape.tp_degree, ("serve", str(build_dir)))
+        self.ready = self.group.receive_all(timeout=600)
+        self.load_s = time.monotonic() - started
+        self.compute_s: list[float] = []  # rank 0's time inside the graph, per call
+
+    def _step(self, entry: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.group.send_all(("step", (entry, [pack(t) for t in inputs])))
+        replies = self.group.receive_all()
+        logits, token, elapsed = replies[0]
+        self.compute_s.append(elapsed)
+        return unpack(logits), unpack(token)
+
+    def prefill(self, embeds, per_layer_tokens, positions, last_index):
+        if "prefill" not in self.shape.entries:
+            raise RuntimeError("this build decodes only (prefill=host): seed the KV with seed_kv instead")
+        return self._step("prefill", embeds, per_layer_tokens, positions, last_index)
+
+    def decode(self, embeds, per_layer_tokens, positions, last_index):
+        return self._step("decode", embeds, per_layer_tokens, positions, last_index)
+
+    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
+        for conn, caches in zip(self.group.conns, per_rank, strict=True):
+            conn.send(("seed", [pack(t) for t in caches]))
+        self.group.receive_all()
+
+    def reset(self) -> None:
+        self.group.send_all(("reset", None))
+        self.group.receive_all()
+
+    def peak_rss_bytes(self) -> list[int]:
+        self.group.send_all(("stats", None))
+        return [r["peak_rss_bytes"] for r in self.group.receive_all()]
+
+    def close(self) -> None:
+        try:
+            self.group.send_all(("close", None))
+            self.group.receive_all(timeout=30)
+        except (BuildError, OSError):
+            pass
+        self.group.join()
+
+    def __enter__(self) -> CpuRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

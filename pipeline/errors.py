@@ -1,0 +1,49 @@
+"""Domain exceptions. Each message names the setting at fault and how to fix it."""
+
+
+class PipelineError(Exception):
+    """Base class for every error the pipeline reports to a user (exit code 1, no traceback)."""
+
+
+class ConfigError(PipelineError):
+    """A composed configuration is invalid. Raised before any work starts."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint is missing a tensor, has an unexpected one, or a wrong shape."""
+
+
+class UnsupportedModelError(PipelineError):
+    """The checkpoint uses an architecture feature the recipe does not implement."""
+
+
+class InputError(PipelineError):
+    """A request the built artifact cannot serve (e.g. a prompt longer than kv_max allows)."""
+
+
+class BuildError(PipelineError):
+    """Tracing or compiling a rank failed."""
+
+
+class IntegrityError(PipelineError):
+    """A checksum, signature, manifest or archive check failed. Nothing was loaded."""
+
+
+class ParityError(PipelineError):
+    """The artifact's outputs do not match the float reference."""
+
+
+class ThroughputError(PipelineError):
+    """A throughput gate failed."""
+
+
+class PreflightError(PipelineError):
+    """The host lacks the memory, swap, disk or devices the stage needs."""
+
+
+class PublishError(PipelineError):
+    """Publishing was refused or failed. The local artifacts are untouched."""

@@ -1,0 +1,140 @@
+"""File-system helpers: atomic writes, atomic directory replacement, hashing, canonical JSON.
+
+Every stage writes through these so that no output ever sits half-written under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+CHUNK = 8 * 1024 * 1024
+TMP_MARK = ".tmp-"
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace variance: the form every fingerprint hashes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside ``path`` durable (the directory entry, not only the data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TMP_MARK}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Pretty, key-sorted JSON with a trailing newline, written atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_json_if_changed(path: str | os.PathLike, obj: Any) -> bool:
+    """Rewrite ``path`` only when its content would change, so its mtime and hash stay put. Returns True if written."""
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    path = Path(path)
+    if path.exists() and path.read_text() == text:
+        return False
+    atomic_write_text(path, text)
+    return True
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def temp_dir_beside(final: Path) -> Path:
+    """A fresh, uniquely named directory next to ``final`` (same file system, so the rename is atomic)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    return tmp
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` directory to ``final``, replacing any previous one.
+
+    ``final`` either holds the old complete content or the new complete content; in between it is briefly absent,
+    never half-written.
+    """
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}{TMP_MARK}old-{uuid.uuid4().hex[:12]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces ``final``, on any error it is removed."""
+    tmp = temp_dir_beside(final)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def clean_stale_temps(directory: Path) -> list[Path]:
+    """Remove leftovers of killed runs (``.<name>.tmp-*``) in ``directory``. Returns what was removed."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and TMP_MARK in entry.name:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+            removed.append(entry)
+    return removed

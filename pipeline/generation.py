@@ -1,0 +1,93 @@
+"""Greedy generation over a loaded build: the serving loop that validation measures.
+
+Device prefill runs the prompt through the ``prefill`` graph bucket by bucket (the last bucket padded, padding
+positions continue the sequence so they are never attended to), then decodes one token per ``decode`` call. Host
+prefill runs the prompt through the host's float model, seeds each rank with its KV heads, then decodes on the ranks.
+Teacher forcing (``forced``) feeds a given continuation instead of the build's own choices, recording what the build
+would have picked at each step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.backends.base import BuildShape, RankRunner
+from pipeline.errors import InputError
+from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
+
+
+@dataclass
+class Generation:
+    prompt_len: int
+    tokens: list[int]  # what the build chose at each step (its argmax), EOS included when it stopped there
+    logits: torch.Tensor  # [steps, vocab] fp32, the logits behind each choice
+    ttft_s: float  # prompt in to first token out, host work included
+    decode_s: list[float] = field(default_factory=list)  # wall time of each decode call
+    prefill_calls: int = 0
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
+    """Refuse a request the build's static KV cache cannot hold."""
+    if prompt_len < 1:
+        raise InputError("the prompt is empty")
+    if prompt_len + max_new_tokens > shape.kv_max:
+        raise InputError(
+            f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {prompt_len + max_new_tokens} "
+            f"cache positions but variant.kv_max is {shape.kv_max}: shorten the prompt, lower the new-token count, "
+            "or build a variant with a larger kv_max"
+        )
+
+
+class Generator:
+    def __init__(self, runner: RankRunner, embed: HostEmbeddings, eos_ids: tuple[int, ...], pad_id: int,
+                 host_prefill: HostPrefill | None = None):
+        self.runner = runner
+        self.shape: BuildShape = runner.shape
+        self.embed = embed
+        self.eos_ids = set(eos_ids)
+        self.pad_id = pad_id
+        if self.shape.prefill == "host" and host_prefill is None:
+            raise ValueError("a prefill=host build needs the host's float model (HostPrefill)")
+        self.host_prefill = host_prefill
+
+    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self.shape.prefill == "host":
+            logits, token, caches = self.host_prefill.prefill(prompt)
+            self.runner.seed_kv(split_kv_for_ranks(caches, self.shape.tp_degree, self.shape.torch_dtype))
+            return logits, token, 0
+        self.runner.reset()
+        bucket = self.shape.bucket
+        calls = math.ceil(len(prompt) / bucket)
+        for c in range(calls):
+            chunk = prompt[c * bucket:(c + 1) * bucket]
+            padded = chunk + [self.pad_id] * (bucket - len(chunk))
+            embeds, per_layer = self.embed(padded)
+            positions = torch.arange(c * bucket, (c + 1) * bucket).view(1, -1)
+            logits, token = self.runner.prefill(embeds, per_layer, positions, torch.tensor([len(chunk) - 1]))
+        return logits, token, calls
+
+    def generate(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Generation:
+        """Greedy decode up to ``max_new_tokens`` (stopping after an EOS), or teacher-forced over ``forced``."""
+        steps = len(forced) if forced is not None else max_new_tokens
+        check_fits(len(prompt), steps, self.shape)
+        started = time.perf_counter()
+        logits, token, calls = self._prefill(prompt)
+        ttft = time.perf_counter() - started
+        chosen, rows, decode_s = [int(token)], [logits.view(-1)], []
+        position = len(prompt)
+        for step in range(1, steps):
+            fed = forced[step - 1] if forced is not None else chosen[-1]
+            if forced is None and fed in self.eos_ids:
+                break
+            t0 = time.perf_counter()
+            embeds, per_layer = self.embed([fed])
+            logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
+            decode_s.append(time.perf_counter() - t0)
+            chosen.append(int(token))
+            rows.append(logits.view(-1))
+            position += 1
+        return Generation(len(prompt), chosen, torch.stack(rows), ttft, decode_s, calls)

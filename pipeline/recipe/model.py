@@ -1,0 +1,287 @@
+"""One tensor-parallel rank of the Gemma-4 text decoder, written once for every backend.
+
+``RankDecoder.step`` runs ``S`` tokens (a prefill bucket, or one decode token) whose embeddings were looked up on the
+host, writes their keys and values into the resident KV caches with the one-hot masked update
+``cache * (1 - onehot) + k * onehot``, attends, and returns the fp32 logits of one selected position, its greedy
+token, and the updated caches (a backend either writes them back in place or aliases them to the graph's inputs).
+
+Shapes are static: the caches hold ``kv_max`` positions, attention always spans all of them, and the masks (causal,
+and the sliding window for sliding layers) are computed in the graph from the position ids, so one traced graph
+serves every position. Only KV-producer layers own caches; KV-shared layers attend over their producer's cache.
+
+Numerics. ``dtype`` is the weights', the matmuls' and the KV caches' type. The residual stream, norms, RoPE, softmax,
+row-parallel reductions and logits stay in fp32: with bf16 weights this keeps the error of a deep stack from
+compounding in the residual path. In fp32 every operation follows ``transformers``' Gemma-4 in the same order, so
+the two agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.recipe.parallel import Parallel
+from pipeline.recipe.plan import ShardPlan
+from pipeline.recipe.spec import LayerSpec, ModelSpec, rope_inv_freq
+
+GELU_TANH_COEFF = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GELU, written out (the compiler lowers it without a special kernel)."""
+    return 0.5 * x * (1.0 + torch.tanh(GELU_TANH_COEFF * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class RMSNorm(nn.Module):
+    """Gemma-4's RMSNorm: ``x * (mean(x^2) + eps)^-0.5 * weight``, in fp32 (no ``1 + weight``)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            y = y * self.weight
+        return y
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [1, S, heads, d]; cos/sin: [1, S, d]
+    return x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        h, d = spec.hidden_size, layer.head_dim
+        self.head_dim = d
+        self.heads = spec.num_heads // par.tp_degree
+        self.kv_heads = layer.num_kv_heads // par.tp_degree
+        self.dtype = dtype
+        self.q_proj = par.column(h, spec.num_heads * d, dtype)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        if layer.is_producer:
+            self.k_proj = par.column(h, layer.num_kv_heads * d, dtype)
+            self.v_proj = par.column(h, layer.num_kv_heads * d, dtype)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.v_norm = RMSNorm(d, spec.rms_norm_eps, with_scale=False)
+        self.o_proj = par.row(spec.num_heads * d, h, dtype)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's keys and values, ``[1, kv_heads, S, d]`` in the cache dtype."""
+        s = x.shape[1]
+        k = self.k_norm(self.k_proj(x).view(1, s, self.kv_heads, self.head_dim))
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = self.v_norm(self.v_proj(x).view(1, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def forward(self, x, cos, sin, mask, keys, values) -> torch.Tensor:
+        s = x.shape[1]
+        q = self.q_norm(self.q_proj(x).view(1, s, self.heads, self.head_dim))
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [1, heads, S, d]
+        groups = self.heads // self.kv_heads
+        slots = keys.shape[2]
+        # Query head j attends KV head j // groups, as transformers' repeat_kv lays them out.
+        keys = keys[:, :, None].expand(1, self.kv_heads, groups, slots, self.head_dim).reshape(1, self.heads, slots, -1)
+        values = values[:, :, None].expand(1, self.kv_heads, groups, slots, self.head_dim).reshape(1, self.heads, slots, -1)
+        # Gemma-4 attends with scaling 1.0: q_norm and k_norm set the temperature.
+        scores = torch.matmul(q.to(self.dtype), keys.transpose(2, 3)).float() + mask
+        probs = torch.softmax(scores, dim=-1).to(self.dtype)
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(1, s, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        h, i = spec.hidden_size, layer.intermediate_size
+        self.gate_proj = par.column(h, i, dtype)
+        self.up_proj = par.column(h, i, dtype)
+        self.down_proj = par.row(i, h, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x).float()) * self.up_proj(x).float())
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, par: Parallel, dtype: torch.dtype):
+        super().__init__()
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.self_attn = Attention(spec, layer, par, dtype)
+        self.mlp = MLP(spec, layer, par, dtype)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        # A buffer in transformers, and the checkpoint's value is far from 1: loaded explicitly like a weight.
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.has_ple = spec.ple_dim > 0
+        if self.has_ple:
+            self.per_layer_input_gate = par.replicated(h, spec.ple_dim, dtype)
+            self.per_layer_projection = par.replicated(spec.ple_dim, h, dtype)
+            self.post_per_layer_input_norm = RMSNorm(h, eps)
+
+    def forward(self, hidden, per_layer_input, cos, sin, mask, keys, values, write=None):
+        """One layer. A producer (``write`` given) first writes this step's keys and values into ``keys``/``values``
+        (its caches); a KV-shared layer attends over its producer's already-updated caches. Returns
+        ``(hidden, keys, values)``."""
+        x = self.input_layernorm(hidden)
+        if write is not None:
+            onehot, written = write
+            k, v = self.self_attn.project_kv(x, cos, sin)
+            # The one-hot masked write: trace-safe arithmetic, no scatter.
+            keys = keys * (1 - written) + torch.einsum("bhsd,sm->bhmd", k, onehot)
+            values = values * (1 - written) + torch.einsum("bhsd,sm->bhmd", v, onehot)
+        attn = self.self_attn(x, cos, sin, mask, keys, values)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden = hidden + self.post_feedforward_layernorm(mlp)
+        if self.has_ple:
+            gate = gelu_tanh(self.per_layer_input_gate(hidden).float()) * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return hidden * self.layer_scalar, keys, values
+
+
+class RankDecoder(nn.Module):
+    """The decoder stack of one rank, with its KV caches as buffers named ``k_cache_<layer>`` / ``v_cache_<layer>``."""
+
+    def __init__(self, spec: ModelSpec, plan: ShardPlan, par: Parallel, kv_max: int, dtype: torch.dtype):
+        super().__init__()
+        self.model_spec = spec
+        self.kv_max = kv_max
+        self.dtype = dtype
+        self.producers = [layer.index for layer in spec.producers]
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer, par, dtype) for layer in spec.layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = par.head(spec.hidden_size, spec.vocab_size, dtype, plan.shards_vocab)
+        if spec.ple_dim:
+            self.per_layer_model_projection = par.replicated(spec.hidden_size, spec.num_layers * spec.ple_dim, dtype)
+            self.per_layer_projection_norm = RMSNorm(spec.ple_dim, spec.rms_norm_eps)
+        for layer_type in spec.layer_types:  # sorted: a fixed graph on every build
+            self.register_buffer(f"inv_freq_{layer_type}", rope_inv_freq(spec.ropes[layer_type]), persistent=False)
+        # Registered in cache_names() order (all keys, then all values), which is also the buffers' order in a saved
+        # rank and the order host-computed caches are seeded in.
+        for kind in ("k", "v"):
+            for layer in spec.producers:
+                shape = (1, layer.num_kv_heads // plan.tp_degree, kv_max, layer.head_dim)
+                self.register_buffer(f"{kind}_cache_{layer.index}", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def cache_names(self) -> list[str]:
+        """Cache buffer names in output order: all keys, then all values (producer layers ascending)."""
+        return [f"k_cache_{i}" for i in self.producers] + [f"v_cache_{i}" for i in self.producers]
+
+    def caches(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.cache_names()]
+
+    def _per_layer_inputs(self, embeds: torch.Tensor, per_layer_tokens: torch.Tensor) -> torch.Tensor:
+        spec = self.model_spec
+        s = embeds.shape[1]
+        proj = self.per_layer_model_projection(embeds).float() * spec.hidden_size**-0.5
+        proj = self.per_layer_projection_norm(proj.view(1, s, spec.num_layers, spec.ple_dim))
+        return (proj + per_layer_tokens.float()) * 2.0**-0.5
+
+    def _masks(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        pos = positions.view(-1, 1)  # [S, 1]
+        slots = torch.arange(self.kv_max, device=positions.device).view(1, -1)  # [1, kv_max]
+        visible = slots <= pos
+        neg = torch.finfo(torch.float32).min
+        masks = {"full_attention": visible}
+        masks["sliding_attention"] = visible & (slots > pos - self.model_spec.sliding_window)
+        return {t: torch.where(m, 0.0, neg).view(1, 1, *m.shape) for t, m in masks.items()}
+
+    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for layer_type in self.model_spec.layer_types:
+            inv_freq = getattr(self, f"inv_freq_{layer_type}")
+            freqs = positions.view(1, -1, 1).float() * inv_freq.view(1, 1, -1)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[layer_type] = (emb.cos(), emb.sin())
+        return out
+
+    def step(self, embeds, per_layer_tokens, positions, last_index):
+        """Run ``S`` tokens.
+
+        Args:
+            embeds: ``[1, S, hidden]`` fp32 token embeddings (already scaled by sqrt(hidden)).
+            per_layer_tokens: ``[1, S, layers, ple_dim]`` fp32 per-layer token embeddings (scaled), or an empty tensor.
+            positions: ``[1, S]`` int64 cache positions of the tokens (padding continues the sequence).
+            last_index: ``[1]`` int64 index in ``[0, S)`` of the token whose logits are returned.
+
+        Returns:
+            ``(logits [1, vocab] fp32, token [1] int64, caches)`` where ``caches`` follows ``cache_names()``.
+        """
+        spec = self.model_spec
+        onehot = (torch.arange(self.kv_max, device=positions.device).view(1, -1) == positions.view(-1, 1))
+        onehot = onehot.to(self.dtype)  # [S, kv_max]
+        written = onehot.sum(0).view(1, 1, -1, 1)  # [1, 1, kv_max, 1]
+        masks, rope = self._masks(positions), self._rope(positions)
+        ple = self._per_layer_inputs(embeds, per_layer_tokens) if spec.ple_dim else None
+
+        hidden = embeds.float()
+        keys, values = {}, {}
+        for layer, module in zip(spec.layers, self.layers):
+            cos, sin = rope[layer.layer_type]
+            per_layer_input = ple[:, :, layer.index, :] if ple is not None else None
+            if layer.is_producer:
+                cached_k = getattr(self, f"k_cache_{layer.index}")
+                cached_v = getattr(self, f"v_cache_{layer.index}")
+                hidden, keys[layer.index], values[layer.index] = module(
+                    hidden, per_layer_input, cos, sin, masks[layer.layer_type], cached_k, cached_v, (onehot, written))
+            else:
+                hidden, _, _ = module(hidden, per_layer_input, cos, sin, masks[layer.layer_type],
+                                      keys[layer.kv_source], values[layer.kv_source])
+
+        last = self.norm(hidden).index_select(1, last_index).view(1, -1)
+        logits = self.lm_head(last)
+        if spec.final_logit_softcapping is not None:
+            cap = spec.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        token = torch.argmax(logits, dim=-1)
+        caches = [keys[i] for i in self.producers] + [values[i] for i in self.producers]
+        return logits, token, caches
+
+
+class StatefulRank(nn.Module):
+    """A rank whose caches are updated in place: what the cpu backend traces and the host-side float model runs.
+
+    ``prefill`` and ``decode`` are the same computation over ``bucket`` tokens and one token; tracing both entry
+    points of this one module makes them share weights and caches.
+    """
+
+    def __init__(self, decoder: RankDecoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def _run(self, embeds, per_layer_tokens, positions, last_index):
+        logits, token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index)
+        for buf, new in zip(self.decoder.caches(), caches):
+            buf.copy_(new)
+        return logits, token
+
+    def forward(self, embeds, per_layer_tokens, positions, last_index):
+        return self._run(embeds, per_layer_tokens, positions, last_index)
+
+    def prefill(self, embeds, per_layer_tokens, positions, last_index):
+        return self._run(embeds, per_layer_tokens, positions, last_index)
+
+    def decode(self, embeds, per_layer_tokens, positions, last_index):
+        return self._run(embeds, per_layer_tokens, positions, last_index)
+
+
+def build_rank(spec: ModelSpec, plan: ShardPlan, par: Parallel, kv_max: int, dtype: torch.dtype,
+               state: dict[str, torch.Tensor]) -> StatefulRank:
+    """A rank module holding ``state`` (from ``plan.load_rank_state``). Missing or extra tensors are an error."""
+    decoder = RankDecoder(spec, plan, par, kv_max, dtype)
+    missing, unexpected = decoder.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(f"rank state does not fit the recipe: missing={sorted(missing)} unexpected={sorted(unexpected)}")
+    decoder.eval()
+    return StatefulRank(decoder).eval()

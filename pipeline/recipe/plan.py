@@ -1,0 +1,114 @@
+"""How the decoder's tensors are split across tensor-parallel ranks, and what each rank loads.
+
+Column-parallel (split by output rows): q/k/v projections (by head, so rank r owns query heads
+``[r*h/tp, (r+1)*h/tp)`` and KV heads ``[r*kv/tp, (r+1)*kv/tp)``, which keeps Gemma's grouped-query mapping intact),
+gate and up projections, and the tied output head (by vocabulary; its logits are gathered). Row-parallel (split by
+input columns, summed with an all-reduce before Gemma's post-norms): o and down projections. Everything else is
+replicated. The token and per-layer embedding tables stay on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.errors import CheckpointError, ConfigError
+from pipeline.recipe.checkpoint import HEAD, Checkpoint
+from pipeline.recipe.spec import ModelSpec
+
+COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+ROW = ("o_proj.weight", "down_proj.weight")
+HOST_ONLY = ("embed_tokens.weight", "embed_tokens_per_layer.weight")  # looked up on the host, never on a rank
+FP32_SUFFIXES = ("norm.weight", "layer_scalar")  # small tensors kept in fp32 whatever the variant's dtype
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    spec: ModelSpec
+    tp_degree: int
+
+    def check(self) -> None:
+        """Refuse a tensor-parallel degree the model cannot be split by, naming the setting and the fix."""
+        spec, tp = self.spec, self.tp_degree
+        problems = []
+        if tp < 1:
+            problems.append(f"variant.tp_degree={tp} must be at least 1")
+        else:
+            if spec.num_heads % tp:
+                problems.append(f"variant.tp_degree={tp} does not divide num_attention_heads={spec.num_heads}")
+            for kv in sorted({layer.num_kv_heads for layer in spec.layers}):
+                if kv % tp:
+                    problems.append(f"variant.tp_degree={tp} does not divide num_key_value_heads={kv}")
+            for size in sorted({layer.intermediate_size for layer in spec.layers}):
+                if size % tp:
+                    problems.append(f"variant.tp_degree={tp} does not divide intermediate_size={size}")
+        if problems:
+            divisors = [d for d in range(1, spec.num_heads + 1)
+                        if spec.num_heads % d == 0 and all(layer.num_kv_heads % d == 0 for layer in spec.layers)]
+            raise ConfigError([p + f" (choose variant.tp_degree from {divisors})" for p in problems])
+
+    @property
+    def shards_vocab(self) -> bool:
+        """The output head is split by vocabulary when it divides evenly; otherwise every rank holds all of it."""
+        return self.spec.vocab_size % self.tp_degree == 0
+
+    def split(self, name: str) -> int | None:
+        """The dimension ``name`` is split along on each rank, or None when replicated."""
+        if self.tp_degree == 1:
+            return None
+        if name.endswith(COLUMN):
+            return 0
+        if name.endswith(ROW):
+            return 1
+        if name == HEAD and self.shards_vocab:
+            return 0
+        return None
+
+    def rank_tensor_names(self) -> list[str]:
+        """Every tensor a rank holds (recipe names: text-relative, and ``lm_head.weight``)."""
+        names = [n for n in self.spec.text_tensor_shapes() if n not in HOST_ONLY]
+        return sorted(names) + [HEAD]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        if name == HEAD:
+            return (self.spec.vocab_size, self.spec.hidden_size)
+        return self.spec.text_tensor_shapes()[name]
+
+    def rank_shape(self, name: str) -> tuple[int, ...]:
+        shape = list(self.full_shape(name))
+        dim = self.split(name)
+        if dim is not None:
+            shape[dim] //= self.tp_degree
+        return tuple(shape)
+
+    def rank_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
+        """``(dim, start, stop)`` of rank ``rank``'s part of ``name``, or None when replicated."""
+        dim = self.split(name)
+        if dim is None:
+            return None
+        width = self.full_shape(name)[dim] // self.tp_degree
+        return dim, rank * width, (rank + 1) * width
+
+
+def tensor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+
+
+def load_rank_state(checkpoint: Checkpoint, plan: ShardPlan, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors, sliced straight from the safetensors files; the full model is never materialised."""
+    if not 0 <= rank < plan.tp_degree:
+        raise ValueError(f"rank {rank} outside tp_degree {plan.tp_degree}")
+    state = {}
+    for name in plan.rank_tensor_names():
+        found = checkpoint.shape(name, plan.spec)
+        if found != plan.full_shape(name):
+            raise CheckpointError(
+                f"tensor {checkpoint.key(name, plan.spec)!r} has shape {list(found)}, expected {list(plan.full_shape(name))}")
+        part = plan.rank_range(name, rank)
+        if part is None:
+            tensor = checkpoint.read(name, plan.spec)
+        else:
+            tensor = checkpoint.read(name, plan.spec, *part)
+        state[name] = tensor.to(tensor_dtype(name, dtype))
+    return state

@@ -1,0 +1,283 @@
+"""The architecture of a Gemma-4 text decoder, read from a checkpoint's ``config.json``.
+
+``ModelSpec`` is the one description every other part of the recipe works from: layer types, head dimensions,
+which layers produce a KV cache and which reuse another layer's, RoPE parameters, the embedding tables kept on the
+host. It is parsed through ``transformers``' own ``Gemma4TextConfig`` so that defaults and both spellings of the
+full-attention head size (``global_head_dim`` and ``per_layer_config``) are read exactly as the reference reads them.
+Features the recipe does not implement are refused here, with the key that asks for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import CheckpointError, UnsupportedModelError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer type: ``inv_freq`` covers ``rotated_pairs`` pairs, the rest are zeros."""
+
+    theta: float
+    head_dim: int
+    rotated_pairs: int
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    layer_type: str  # SLIDING or FULL
+    head_dim: int
+    num_kv_heads: int
+    intermediate_size: int
+    kv_source: int  # the layer whose KV cache this layer attends over; itself for a producer
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_source == self.index
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == SLIDING
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    layers: tuple[LayerSpec, ...]
+    sliding_window: int
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    ple_dim: int  # hidden_size_per_layer_input; 0 when the model has no per-layer embeddings
+    ple_vocab_size: int
+    tie_word_embeddings: bool
+    ropes: dict[str, RopeSpec]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def producers(self) -> tuple[LayerSpec, ...]:
+        return tuple(layer for layer in self.layers if layer.is_producer)
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """The distinct layer types in a fixed order (a set's order would make traced graphs differ)."""
+        return tuple(sorted({layer.layer_type for layer in self.layers}))
+
+    @property
+    def embed_scale(self) -> float:
+        return self.hidden_size**0.5
+
+    @property
+    def ple_embed_scale(self) -> float:
+        return self.ple_dim**0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary (recorded in build records and manifests)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "sliding_window": self.sliding_window,
+            "ple_dim": self.ple_dim,
+            "head_dims": sorted({layer.head_dim for layer in self.layers}),
+            "kv_heads": sorted({layer.num_kv_heads for layer in self.layers}),
+            "kv_producers": [layer.index for layer in self.producers],
+            "final_logit_softcapping": self.final_logit_softcapping,
+        }
+
+    # -- checkpoint tensor layout (names relative to the text prefix, as in Gemma4TextModel) --------------------
+
+    def text_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the recipe reads from the checkpoint, with its full (unsharded) shape."""
+        h, p = self.hidden_size, self.ple_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "embed_tokens.weight": (self.vocab_size, h),
+            "norm.weight": (h,),
+        }
+        if p:
+            shapes["embed_tokens_per_layer.weight"] = (self.ple_vocab_size, self.num_layers * p)
+            shapes["per_layer_model_projection.weight"] = (self.num_layers * p, h)
+            shapes["per_layer_projection_norm.weight"] = (p,)
+        for layer in self.layers:
+            pre = f"layers.{layer.index}."
+            q_width = self.num_heads * layer.head_dim
+            shapes[pre + "self_attn.q_proj.weight"] = (q_width, h)
+            shapes[pre + "self_attn.q_norm.weight"] = (layer.head_dim,)
+            shapes[pre + "self_attn.o_proj.weight"] = (h, q_width)
+            if layer.is_producer:
+                kv_width = layer.num_kv_heads * layer.head_dim
+                shapes[pre + "self_attn.k_proj.weight"] = (kv_width, h)
+                shapes[pre + "self_attn.v_proj.weight"] = (kv_width, h)
+                shapes[pre + "self_attn.k_norm.weight"] = (layer.head_dim,)
+            shapes[pre + "mlp.gate_proj.weight"] = (layer.intermediate_size, h)
+            shapes[pre + "mlp.up_proj.weight"] = (layer.intermediate_size, h)
+            shapes[pre + "mlp.down_proj.weight"] = (h, layer.intermediate_size)
+            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                shapes[pre + norm + ".weight"] = (h,)
+            shapes[pre + "layer_scalar"] = (1,)
+            if p:
+                shapes[pre + "per_layer_input_gate.weight"] = (p, h)
+                shapes[pre + "per_layer_projection.weight"] = (h, p)
+                shapes[pre + "post_per_layer_input_norm.weight"] = (h,)
+        return shapes
+
+    def ignorable_text_tensors(self) -> set[str]:
+        """Tensors some checkpoints carry that the model never uses (KV projections of KV-shared layers)."""
+        names = set()
+        for layer in self.layers:
+            if not layer.is_producer:
+                for part in ("k_proj.weight", "v_proj.weight", "k_norm.weight", "v_norm.weight"):
+                    names.add(f"layers.{layer.index}.self_attn.{part}")
+        return names
+
+
+# -- parsing -----------------------------------------------------------------------------------------------------
+
+_UNSUPPORTED = {
+    # key: (value that is supported, why)
+    "attention_k_eq_v": (False, "keys doubling as values"),
+    "enable_moe_block": (False, "mixture-of-experts blocks"),
+    "use_bidirectional_attention": (None, "bidirectional attention"),
+    "attention_bias": (False, "biased attention projections"),
+    "hidden_activation": ("gelu_pytorch_tanh", "activations other than tanh-GELU"),
+}
+
+
+def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: ``text_config`` of a multimodal checkpoint, or the whole file of a text one."""
+    model_type = config.get("model_type")
+    if model_type == "gemma4":
+        if not isinstance(config.get("text_config"), dict):
+            raise CheckpointError("config.json has model_type 'gemma4' but no 'text_config' section")
+        text = dict(config["text_config"])
+        # A multimodal config keeps tie_word_embeddings at the top level; the text section may omit it.
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+        return text
+    if model_type == "gemma4_text":
+        return dict(config)
+    raise UnsupportedModelError(
+        f"config.json has model_type {model_type!r}; the recipe builds Gemma-4 text decoders "
+        "('gemma4' or 'gemma4_text'). Point model.path or model.hub_id at a Gemma-4 checkpoint."
+    )
+
+
+def load_spec(checkpoint_dir: str | Path) -> ModelSpec:
+    """Read ``config.json`` (and ``generation_config.json`` for the stop tokens) of a checkpoint directory."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {checkpoint_dir}: is model.path a Hugging Face checkpoint directory?")
+    config = json.loads(path.read_text())
+    generation = {}
+    if (checkpoint_dir / "generation_config.json").is_file():
+        generation = json.loads((checkpoint_dir / "generation_config.json").read_text())
+    return spec_from_config(config, generation)
+
+
+def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
+    from transformers import Gemma4TextConfig
+
+    raw = text_config_dict(config)
+    for key, (supported, what) in _UNSUPPORTED.items():
+        if raw.get(key, supported) != supported:
+            raise UnsupportedModelError(
+                f"config.json sets {key}={raw[key]!r}: the recipe does not implement {what}. "
+                "Build a Gemma-4 E2B/E4B-style checkpoint, or extend pipeline/recipe/model.py."
+            )
+    try:
+        hf = Gemma4TextConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+        modes = hf.kv_sharing_modes
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json does not describe a valid Gemma-4 text decoder: {exc}") from exc
+    first_shared = hf.num_hidden_layers - hf.num_kv_shared_layers
+    layers = []
+    for i, layer_type in enumerate(hf.layer_types):
+        if layer_type not in (SLIDING, FULL):
+            raise UnsupportedModelError(f"config.json layer_types[{i}] is {layer_type!r}; expected {SLIDING} or {FULL}")
+        per_layer = hf.per_layer_config[i]
+        if modes[i] == "reuse":
+            # HF hands a KV-shared layer the states of the last non-shared layer of the same type.
+            source = max(j for j in range(first_shared) if hf.layer_types[j] == layer_type)
+        else:
+            source = i
+        double = hf.use_double_wide_mlp and modes[i] == "reuse"
+        layers.append(LayerSpec(
+            index=i,
+            layer_type=layer_type,
+            head_dim=int(per_layer.head_dim),
+            num_kv_heads=int(per_layer.num_key_value_heads),
+            intermediate_size=hf.intermediate_size * (2 if double else 1),
+            kv_source=source,
+        ))
+    for layer in layers:
+        src = layers[layer.kv_source]
+        if (src.head_dim, src.num_kv_heads) != (layer.head_dim, layer.num_kv_heads):
+            raise UnsupportedModelError(f"layer {layer.index} reuses layer {src.index}'s KV but their head shapes differ")
+
+    ropes = {}
+    for layer_type in sorted(set(hf.layer_types)):
+        params = hf.rope_parameters[layer_type]
+        rope_type = params.get("rope_type", "default")
+        head_dim = next(layer.head_dim for layer in layers if layer.layer_type == layer_type)
+        if rope_type == "default":
+            pairs = head_dim // 2
+        elif rope_type == "proportional":
+            pairs = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        else:
+            raise UnsupportedModelError(f"rope_parameters.{layer_type}.rope_type={rope_type!r} is not implemented")
+        ropes[layer_type] = RopeSpec(theta=float(params["rope_theta"]), head_dim=head_dim, rotated_pairs=pairs,
+                                     factor=float(params.get("factor", 1.0)) if rope_type != "default" else 1.0)
+
+    generation = generation or {}
+    eos = generation.get("eos_token_id", hf.eos_token_id)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelSpec(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_heads=hf.num_attention_heads,
+        layers=tuple(layers),
+        sliding_window=hf.sliding_window,
+        rms_norm_eps=hf.rms_norm_eps,
+        final_logit_softcapping=hf.final_logit_softcapping,
+        ple_dim=hf.hidden_size_per_layer_input or 0,
+        ple_vocab_size=hf.vocab_size_per_layer_input,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", hf.tie_word_embeddings)),
+        ropes=ropes,
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.bos_token_id,
+        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
+    )
+
+
+def rope_inv_freq(rope: RopeSpec):
+    """Inverse frequencies, computed with the same operations as transformers' default/proportional RoPE."""
+    import torch
+
+    if rope.rotated_pairs == rope.head_dim // 2 and rope.factor == 1.0:
+        return 1.0 / (rope.theta ** (torch.arange(0, rope.head_dim, 2, dtype=torch.float) / rope.head_dim))
+    steps = torch.arange(0, 2 * rope.rotated_pairs, 2, dtype=torch.int64).to(dtype=torch.float)
+    rotated = 1.0 / (rope.theta ** (steps / rope.head_dim))
+    unrotated = torch.zeros(rope.head_dim // 2 - rope.rotated_pairs, dtype=torch.float32)
+    return torch.cat((rotated, unrotated)) / rope.factor
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and math.log2(n).is_integer()

@@ -1,0 +1,73 @@
+"""Shared fixtures: the tiny model built once per session, prompts, and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach the network: any accidental Hub call fails fast instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from pipeline.tiny_model import TinyModelConfig, generate
+
+    return generate(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "weights")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False)
+    return tokenizer(templated, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """Three chat prompts: shorter than one 32-token bucket, about three buckets, about five buckets.
+
+    All are longer than the tiny model's 16-token sliding window, and with 32 new tokens the longest stays under a
+    kv_max of 256.
+    """
+    from pipeline.texts import PASSAGES, QUESTIONS
+
+    ids = [chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, PASSAGES[0]),
+           chat_ids(tokenizer, " ".join(PASSAGES[:2]))]
+    assert [len(i) for i in ids] == sorted(len(i) for i in ids)
+    assert ids[0] and len(ids[0]) < 32 < len(ids[1]) and len(ids[2]) + NEW_TOKENS <= 256
+    return ids
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir):
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    return Gemma4ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, prompts):
+    """transformers' own greedy generation: ``[(tokens, logits [steps, vocab])]`` per prompt."""
+    import torch
+
+    out = []
+    for ids in prompts:
+        gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+        out.append((gen.sequences[0, len(ids):].tolist(), torch.stack(gen.logits)[:, 0].float()))
+    return out
