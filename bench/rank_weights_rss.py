@@ -114,7 +114,8 @@ def main() -> None:
         started = time.monotonic()
         write_checkpoint(args.dir, args.layers)
         marker.touch()
-        print(f"wrote {args.layers}-layer E4B-shaped bf16 checkpoint to {args.dir} in {time.monotonic() - started:.0f} s")
+        took = time.monotonic() - started
+        print(f"wrote {args.layers}-layer E4B-shaped bf16 checkpoint to {args.dir} in {took:.0f} s")
     size = sum(f.stat().st_size for f in args.dir.glob("*.safetensors"))
     rank, full = measure("rank", args.dir), measure("full", args.dir)
     gib = 1 << 30

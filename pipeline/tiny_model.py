@@ -176,7 +176,8 @@ def generate(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     model = Gemma4ForCausalLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(m != "lm_head.weight" for m in missing):
-        raise RuntimeError(f"tiny model init does not match Gemma4ForCausalLM: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(f"tiny model init does not match Gemma4ForCausalLM: missing={missing} "
+                           f"unexpected={unexpected}")
     model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(

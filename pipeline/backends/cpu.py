@@ -245,7 +245,7 @@ class CpuBackend:
         return rank_members(shape.tp_degree)
 
     def compiler_id(self, toolchain: dict) -> str:
-        version = str(toolchain.get("torch", {}).get("version") or torch.__version__)
+        version = str(toolchain.get("packages", {}).get("torch", {}).get("version") or torch.__version__)
         return "cpu-torch" + version.split("+")[0]
 
     def compiler_info(self) -> dict:

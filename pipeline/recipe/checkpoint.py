@@ -98,7 +98,7 @@ class Checkpoint:
     # -- verification ------------------------------------------------------------------------------------------
 
     def verify(self, spec: ModelSpec) -> None:
-        """Refuse a checkpoint that is missing a tensor, has an unexpected one under the text prefix, or a wrong shape."""
+        """Refuse a checkpoint missing a tensor, with an unexpected one under the text prefix, or with a wrong shape."""
         expected = {self.text_prefix + name: shape for name, shape in spec.text_tensor_shapes().items()}
         if not spec.tie_word_embeddings:
             expected[self.head_key] = (spec.vocab_size, spec.hidden_size)
@@ -112,7 +112,8 @@ class Checkpoint:
                 problems.append(f"tensor {key!r} has shape {list(info.shape)}, config.json implies {list(shape)}")
         for key in sorted(self._index):
             if key.startswith(self.text_prefix) and key not in expected and key not in ignorable:
-                problems.append(f"unexpected tensor {key!r} (not part of the Gemma-4 text decoder config.json describes)")
+                problems.append(f"unexpected tensor {key!r} "
+                                "(not part of the Gemma-4 text decoder config.json describes)")
         if problems:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise CheckpointError(

@@ -90,8 +90,9 @@ class Attention(nn.Module):
         groups = self.heads // self.kv_heads
         slots = keys.shape[2]
         # Query head j attends KV head j // groups, as transformers' repeat_kv lays them out.
-        keys = keys[:, :, None].expand(1, self.kv_heads, groups, slots, self.head_dim).reshape(1, self.heads, slots, -1)
-        values = values[:, :, None].expand(1, self.kv_heads, groups, slots, self.head_dim).reshape(1, self.heads, slots, -1)
+        grouped = (1, self.kv_heads, groups, slots, self.head_dim)
+        keys = keys[:, :, None].expand(grouped).reshape(1, self.heads, slots, -1)
+        values = values[:, :, None].expand(grouped).reshape(1, self.heads, slots, -1)
         # Gemma-4 attends with scaling 1.0: q_norm and k_norm set the temperature.
         scores = torch.matmul(q.to(self.dtype), keys.transpose(2, 3)).float() + mask
         probs = torch.softmax(scores, dim=-1).to(self.dtype)
@@ -282,6 +283,7 @@ def build_rank(spec: ModelSpec, plan: ShardPlan, par: Parallel, kv_max: int, dty
     decoder = RankDecoder(spec, plan, par, kv_max, dtype)
     missing, unexpected = decoder.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
-        raise RuntimeError(f"rank state does not fit the recipe: missing={sorted(missing)} unexpected={sorted(unexpected)}")
+        raise RuntimeError(f"rank state does not fit the recipe: missing={sorted(missing)} "
+                           f"unexpected={sorted(unexpected)}")
     decoder.eval()
     return StatefulRank(decoder).eval()

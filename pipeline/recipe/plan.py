@@ -104,7 +104,8 @@ def load_rank_state(checkpoint: Checkpoint, plan: ShardPlan, rank: int, dtype: t
         found = checkpoint.shape(name, plan.spec)
         if found != plan.full_shape(name):
             raise CheckpointError(
-                f"tensor {checkpoint.key(name, plan.spec)!r} has shape {list(found)}, expected {list(plan.full_shape(name))}")
+                f"tensor {checkpoint.key(name, plan.spec)!r} has shape {list(found)}, "
+                f"expected {list(plan.full_shape(name))}")
         part = plan.rank_range(name, rank)
         if part is None:
             tensor = checkpoint.read(name, plan.spec)

@@ -230,7 +230,8 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
     for layer in layers:
         src = layers[layer.kv_source]
         if (src.head_dim, src.num_kv_heads) != (layer.head_dim, layer.num_kv_heads):
-            raise UnsupportedModelError(f"layer {layer.index} reuses layer {src.index}'s KV but their head shapes differ")
+            raise UnsupportedModelError(
+                f"layer {layer.index} reuses layer {src.index}'s KV but their head shapes differ")
 
     ropes = {}
     for layer_type in sorted(set(hf.layer_types)):

@@ -1,0 +1,74 @@
+"""Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
+
+Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
+the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
+match their inputs' fingerprint is skipped (``force=true`` rebuilds). ``--multirun '+variant=glob(*)'`` builds every
+variant. Errors a user can act on exit with code 1 and a message naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+log = logging.getLogger("pipeline")
+
+
+def run_pipeline(cfg) -> list:
+    from pipeline.config import SHARED_STAGES, STAGES, available_variants
+    from pipeline.errors import ConfigError
+    from pipeline.stages import module
+
+    stages = list(STAGES) if cfg.stage == "all" else [cfg.stage]
+    if cfg.variant is None and any(s not in SHARED_STAGES for s in stages):
+        names = ", ".join(available_variants(CONF_DIR))
+        raise ConfigError(f"stage {cfg.stage!r} builds one variant: add +variant=NAME (one of {names}), or "
+                          f"--multirun '+variant=glob(*)' for all of them")
+    results = []
+    started = time.monotonic()
+    for name in stages:
+        result = module(name).run(cfg)
+        results.append(result)
+    ran = [r.stage for r in results if r.status == "ran"]
+    log.info("done in %.1f s%s: ran %s", time.monotonic() - started,
+             f" ({cfg.variant.name})" if cfg.variant else "", ", ".join(ran) or "nothing (all up to date)")
+    return results
+
+
+def _hydra_entry() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def task(raw: DictConfig) -> None:
+        from pipeline.config import load_config
+        from pipeline.errors import PipelineError
+        from pipeline.log import quiet_third_party
+
+        quiet_third_party()
+        try:
+            cfg = load_config(raw, HydraConfig.get().runtime.choices.get("variant"))
+            run_pipeline(cfg)
+        except PipelineError as exc:
+            log.error("%s", exc)
+            sys.exit(1)
+
+    task()
+
+
+SUBCOMMANDS = {}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        command = sys.argv.pop(1)
+        sys.exit(SUBCOMMANDS[command](sys.argv[1:]))
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

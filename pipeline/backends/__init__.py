@@ -1,0 +1,41 @@
+"""Backends turn the recipe into per-rank artifacts and load them back: ``cpu`` everywhere, ``neuron`` on inf2."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+
+from pipeline.log import log
+
+NEURON_MODULES = ("torch_neuronx", "neuronx_distributed")
+
+
+def neuron_devices() -> list[str]:
+    return sorted(glob.glob("/dev/neuron[0-9]*"))
+
+
+def neuron_packages_present() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in NEURON_MODULES)
+
+
+def resolve(name: str) -> str:
+    """``auto`` becomes ``neuron`` when NeuronCores and the Neuron packages are present, else ``cpu``."""
+    if name != "auto":
+        return name
+    devices = neuron_devices()
+    chosen = "neuron" if devices and neuron_packages_present() else "cpu"
+    log.info("backend=auto chose %s (Neuron devices: %s; Neuron packages: %s)", chosen, devices or "none",
+             "present" if neuron_packages_present() else "absent")
+    return chosen
+
+
+def get_backend(name: str):
+    if name == "cpu":
+        from pipeline.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    if name == "neuron":
+        from pipeline.backends.neuron import NeuronBackend
+
+        return NeuronBackend()
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,297 @@
+"""The typed configuration schema, and the validation of a composed Hydra config against it.
+
+``load_config`` merges a composed config (``conf/`` plus overrides) into the ``PipelineConfig`` dataclasses, turns
+OmegaConf's type errors into messages naming the key and its allowed values, then checks every cross-field rule.
+It raises one ``ConfigError`` listing every problem, before any stage does any work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from pipeline.backends.base import DTYPES, PREFILL_MODES, BuildShape
+from pipeline.errors import ConfigError
+from pipeline.tiny_model import TinyModelConfig
+
+STAGES = ("toolchain", "model", "reference", "trace", "package", "validate", "publish")
+SHARED_STAGES = ("toolchain", "model", "reference")  # need no variant
+BACKENDS = ("auto", "cpu", "neuron")
+MODEL_SOURCES = ("tiny", "hub")
+PUBLISH_TARGETS = ("local", "hub")
+ARCHIVE_FORMATS = ("tar", "tar.gz")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Directory name under ``artifacts_dir``; one per model."""
+    source: str = "hub"
+    """``hub`` (a pinned snapshot of ``hub_id``) or ``tiny`` (generated locally from ``tiny``)."""
+    hub_id: str | None = None
+    revision: str | None = None
+    """The Hub commit (40 hex digits) the snapshot is pinned to."""
+    path: str | None = None
+    """A local checkpoint directory to build from instead of the source."""
+    text_prefix: str = "model."
+    """Where the decoder's tensors live in the checkpoint (``model.language_model.`` in the multimodal release)."""
+    head_key: str = "lm_head.weight"
+    allow_patterns: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class VariantConfig:
+    name: str = MISSING
+    kv_max: int = MISSING
+    """KV cache length: prompt plus generated tokens must fit."""
+    bucket: int = MISSING
+    """Prefill bucket: device prefill runs the prompt in chunks of this many tokens."""
+    dtype: str = MISSING
+    """``bf16`` or ``fp32``: weights, matmuls and KV caches (the residual stream is fp32 either way)."""
+    prefill: str = MISSING
+    """``device`` (prefill and decode graphs over one weight set) or ``host`` (host prefill seeds the KV)."""
+    tp_degree: int = 2
+
+    @property
+    def shape(self) -> BuildShape:
+        return BuildShape(self.kv_max, self.bucket, self.dtype, self.prefill, self.tp_degree)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"
+    """``cpu``, ``neuron``, or ``auto`` (neuron when NeuronCores and the Neuron packages are present)."""
+    compiler_args: dict[str, list[str]] = field(default_factory=dict)
+    """neuronx-cc arguments per variant dtype (recorded in the manifest)."""
+    compiler_workdir: str | None = None
+    compile_cache_dir: str | None = None
+    max_parallel: int = 0
+    """Ranks compiled at once (0: all)."""
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "local"
+    neuron_cores: int = 0
+    host_ram_gb: float | None = None
+    vcpus: int | None = None
+    disk_gb: float | None = None
+
+
+@dataclass
+class PromptConfig:
+    name: str = MISSING
+    max_tokens: int = MISSING
+    """The templated prompt is filled with the shipped passages up to this many tokens."""
+    question: str = "Summarise the text above in one paragraph."
+
+
+PARITY_MODES = ("exact", "teacher_forced", "logits")
+
+
+@dataclass
+class LogitsConfig:
+    """neuronx-distributed-inference's logit matching (pipeline/parity.py)."""
+
+    divergence_tol: float = 0.001
+    tol_map: dict[str, list[float]] = field(default_factory=lambda: {
+        "top5": [1e-5, 0.01], "top50": [1e-5, 0.02], "top1000": [1e-5, 0.03], "all": [1e-5, 0.05]})
+    """Per top-k slice of the reference's logits: [atol, rtol]."""
+    dtype_noise: bool = True
+    """bf16 only: also pass a prompt whose errors are within noise_multiplier x transformers' own bf16 errors."""
+    noise_multiplier: float = 1.5
+
+
+@dataclass
+class ParityConfig:
+    fp32: str = "exact"
+    bf16: str = "logits"
+    teacher_forced_min: float = 0.95
+    logits: LogitsConfig = field(default_factory=LogitsConfig)
+
+    def mode(self, dtype: str) -> str:
+        return getattr(self, dtype)
+
+
+@dataclass
+class ValidateConfig:
+    max_new_tokens: int = 32
+    prompts: list[PromptConfig] = field(default_factory=list)
+    warmup_prompts: int = 1
+    """Generations run before timing starts (excluded from throughput)."""
+    parity: ParityConfig = field(default_factory=ParityConfig)
+
+
+@dataclass
+class PackageConfig:
+    format: str = "tar.gz"
+
+
+@dataclass
+class PublishConfig:
+    target: str = "local"
+    repo_id: str = "gemma-4-E4B-it-inferentia2"
+    local_dir: str = "published"
+    """For ``target=local``: the folder laid out as the Hub repo would be (relative to ``artifacts_dir``)."""
+    private: bool = True
+    overwrite: bool = False
+
+
+@dataclass
+class PipelineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    variant: VariantConfig | None = None
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    package: PackageConfig = field(default_factory=PackageConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    stage: str = "all"
+    force: bool = False
+    artifacts_dir: str = "artifacts"
+
+    # -- paths ------------------------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        return Path(self.artifacts_dir)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / self.model.name
+
+    @property
+    def variant_dir(self) -> Path:
+        if self.variant is None:
+            raise ConfigError("this stage needs a variant: add +variant=NAME")
+        return self.model_dir / self.variant.name
+
+
+def _type_error_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or "?"
+    text = str(exc).splitlines()[0]
+    if isinstance(exc, ConfigKeyError):
+        return f"unknown key {key!r} (misspelt? see conf/ for the keys each group has)"
+    if isinstance(exc, MissingMandatoryValue):
+        return f"{key} is required but not set"
+    return f"{key}: {text}"
+
+
+def structured(cfg: DictConfig | dict) -> PipelineConfig:
+    """Merge into the schema and convert to dataclasses; type errors become ``ConfigError``."""
+    schema = OmegaConf.structured(PipelineConfig)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_type_error_message(exc)) from None
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> list[str]:
+    return [] if value in allowed else [f"{key}={value!r} is not one of {list(allowed)}"]
+
+
+def problems(cfg: PipelineConfig) -> list[str]:
+    """Every semantic problem of a typed config, each naming the key and the fix."""
+    found: list[str] = []
+    m = cfg.model
+    found += _choice("model.source", m.source, MODEL_SOURCES)
+    if not NAME_RE.match(m.name or ""):
+        found.append(f"model.name={m.name!r} must be a plain name (letters, digits, '_', '-', '.')")
+    if m.path is None and m.source == "hub":
+        if not m.hub_id or not REPO_ID_RE.match(m.hub_id):
+            found.append(f"model.hub_id={m.hub_id!r} must be a Hub repo id like 'google/gemma-4-E4B-it'")
+        if not m.revision or not REVISION_RE.match(m.revision):
+            found.append(f"model.revision={m.revision!r} must pin a commit (40 hex digits) so builds are reproducible")
+    if m.path is not None and not Path(m.path).is_dir():
+        found.append(f"model.path={m.path!r} is not a directory: point it at a checkpoint folder with config.json")
+    if not m.text_prefix.endswith("."):
+        found.append(f"model.text_prefix={m.text_prefix!r} must end with '.' "
+                     "(e.g. 'model.' or 'model.language_model.')")
+
+    if cfg.variant is not None:
+        v = cfg.variant
+        if not NAME_RE.match(v.name or ""):
+            found.append(f"variant.name={v.name!r} must be a plain name")
+        found += _choice("variant.dtype", v.dtype, tuple(DTYPES))
+        found += _choice("variant.prefill", v.prefill, PREFILL_MODES)
+        found += [p for p in v.shape.problems() if not p.startswith(("variant.dtype", "variant.prefill"))]
+
+    found += _choice("backend.name", cfg.backend.name, BACKENDS)
+    if cfg.backend.max_parallel < 0:
+        found.append(f"backend.max_parallel={cfg.backend.max_parallel} must be 0 (all ranks) or positive")
+    for dtype in cfg.backend.compiler_args:
+        found += _choice(f"backend.compiler_args key {dtype!r} (a variant dtype)", dtype, tuple(DTYPES))
+
+    val = cfg.validate
+    if val.max_new_tokens < 1:
+        found.append(f"validate.max_new_tokens={val.max_new_tokens} must be at least 1")
+    if not val.prompts:
+        found.append("validate.prompts is empty: validation needs at least one prompt")
+    names = [p.name for p in val.prompts]
+    if len(set(names)) != len(names):
+        found.append(f"validate.prompts names must be unique, got {names}")
+    for i, p in enumerate(val.prompts):
+        if p.max_tokens < 8:
+            found.append(f"validate.prompts[{i}].max_tokens={p.max_tokens} must be at least 8")
+    if val.warmup_prompts < 0:
+        found.append(f"validate.warmup_prompts={val.warmup_prompts} must be 0 or more")
+    par = val.parity
+    for dtype in DTYPES:
+        found += _choice(f"validate.parity.{dtype}", getattr(par, dtype), PARITY_MODES)
+    if not 0.0 <= par.teacher_forced_min <= 1.0:
+        found.append(f"validate.parity.teacher_forced_min={par.teacher_forced_min} must be within [0, 1]")
+    lg = par.logits
+    if lg.divergence_tol < 0:
+        found.append(f"validate.parity.logits.divergence_tol={lg.divergence_tol} must not be negative")
+    if lg.noise_multiplier <= 0:
+        found.append(f"validate.parity.logits.noise_multiplier={lg.noise_multiplier} must be positive")
+    slices = ("top5", "top50", "top1000", "all")
+    if sorted(lg.tol_map) != sorted(slices):
+        found.append(f"validate.parity.logits.tol_map has keys {sorted(lg.tol_map)}, expected exactly {list(slices)}")
+    for key, pair in lg.tol_map.items():
+        if len(pair) != 2 or any(v < 0 for v in pair):
+            found.append(f"validate.parity.logits.tol_map.{key}={list(pair)} must be [atol, rtol], both >= 0")
+
+    found += _choice("package.format", cfg.package.format, ARCHIVE_FORMATS)
+    found += _choice("publish.target", cfg.publish.target, PUBLISH_TARGETS)
+    if not REPO_ID_RE.match(cfg.publish.repo_id or ""):
+        found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name'")
+    found += _choice("stage", cfg.stage, ("all",) + STAGES)
+    return found
+
+
+def load_config(cfg: DictConfig | dict, variant_choice: str | None = None) -> PipelineConfig:
+    """Validate a composed config; raises ``ConfigError`` listing every problem."""
+    typed = structured(cfg)
+    found = problems(typed)
+    if typed.variant is not None and variant_choice and typed.variant.name != variant_choice:
+        found.append(f"conf/variant/{variant_choice}.yaml sets name={typed.variant.name!r}: "
+                     "a variant's name must equal its file name")
+    if found:
+        raise ConfigError(found)
+    return typed
+
+
+def available_variants(conf_dir: Path) -> list[str]:
+    return sorted(p.stem for p in (conf_dir / "variant").glob("*.yaml"))
+
+
+def semantic_dict(cfg: Any) -> Any:
+    """A plain dict of a (sub)config: what fingerprints hash (key order never matters there)."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg

@@ -1,0 +1,85 @@
+"""A local folder laid out as the Hub repo would be: a git repository with one commit and one tag per version.
+
+``publish=local`` writes here exactly what ``publish=hub`` pushes (``<variant>/<archive>``, ``<variant>/manifest.json``,
+``<variant>/metrics.json``, ``README.md``), so the whole publish path, idempotency included, runs on any machine, and
+``pull`` reads it back by tag.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from pipeline.errors import PublishError
+
+GIT_IDENTITY = ["-c", "user.name=gemma4-neuron-pipeline", "-c", "user.email=pipeline@localhost",
+                "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]
+
+
+class LocalRepo:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def git(self, *args: str, check: bool = True, binary: bool = False) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["git", *GIT_IDENTITY, *args], cwd=self.path, capture_output=True, text=not binary)
+        if check and proc.returncode != 0:
+            err = proc.stderr if not binary else proc.stderr.decode(errors="replace")
+            raise PublishError(f"git {' '.join(args)} failed in {self.path}: {err.strip()}")
+        return proc
+
+    def ensure(self) -> None:
+        if (self.path / ".git").is_dir():
+            return
+        if self.path.exists() and any(self.path.iterdir()):
+            raise PublishError(f"publish.local_dir {self.path} exists and is not a publish repository: "
+                               "choose an empty or new directory")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.git("init", "-q", "-b", "main")
+        self.git("commit", "-q", "--allow-empty", "-m", "Initial commit")
+
+    def head(self) -> str:
+        return self.git("rev-parse", "HEAD").stdout.strip()
+
+    def tag_commit(self, tag: str) -> str | None:
+        proc = self.git("rev-parse", "-q", "--verify", f"refs/tags/{tag}^{{commit}}", check=False)
+        return proc.stdout.strip() or None
+
+    def tags(self) -> dict[str, str]:
+        out = self.git("for-each-ref", "--format=%(refname:short) %(objectname)", "refs/tags").stdout
+        return dict(line.split(" ", 1) for line in out.splitlines() if line.strip())
+
+    def read(self, revision: str, path: str) -> bytes | None:
+        proc = self.git("show", f"{revision}:{path}", check=False, binary=True)
+        return proc.stdout if proc.returncode == 0 else None
+
+    def list_files(self, revision: str = "HEAD") -> list[str]:
+        return self.git("ls-tree", "-r", "--name-only", revision).stdout.splitlines()
+
+    def commit(self, files: dict[str, Path | bytes], message: str) -> str:
+        """Write ``files`` (repo path -> source file or bytes) into the work tree and commit them as one commit."""
+        self.git("checkout", "-q", "main")
+        for rel, source in files.items():
+            target = self.path / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(source, bytes):
+                target.write_bytes(source)
+            else:
+                shutil.copyfile(source, target)
+            self.git("add", "--", rel)
+        if not self.git("status", "--porcelain").stdout.strip():
+            return self.head()  # nothing changed: no empty commit
+        self.git("commit", "-q", "-m", message)
+        return self.head()
+
+    def create_tag(self, tag: str, commit: str, force: bool = False) -> None:
+        self.git("tag", *(["-f"] if force else []), tag, commit)
+
+    def checkout_file(self, revision: str, path: str, dest: Path) -> None:
+        """Stream one file of ``revision`` to ``dest`` (archives can be many GB: never held in memory)."""
+        with open(dest, "wb") as out:
+            proc = subprocess.run(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path, stdout=out,
+                                  stderr=subprocess.PIPE)
+        if proc.returncode != 0:
+            dest.unlink(missing_ok=True)
+            raise PublishError(f"{path} is not in {self.path} at {revision}: {proc.stderr.decode().strip()}")

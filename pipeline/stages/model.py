@@ -1,0 +1,120 @@
+"""Stage 2, model: make the checkpoint available under ``artifacts/<model>/weights/``.
+
+``source=tiny`` generates the embedded tiny model; ``source=hub`` downloads a snapshot of ``hub_id`` pinned to
+``revision``; ``model.path=DIR`` takes a local checkpoint directory instead (hard-linked when on the same file
+system, else copied). The checkpoint is checked against its ``config.json`` (every tensor present, right shapes)
+before the stage succeeds.
+
+Writes ``weights/`` and ``model.json``: the model's identity (hub id, revision, config digest), the sha256 of every
+file, and the fingerprint the downstream stages build on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import time
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from pipeline.errors import CheckpointError, PipelineError
+from pipeline.fsutil import atomic_write_json, sha256_file, staged_dir
+from pipeline.log import log
+from pipeline.paths import Paths
+from pipeline.recipe.checkpoint import Checkpoint
+from pipeline.recipe.spec import load_spec
+from pipeline.records import code_digest, fingerprint, is_fresh, require_record
+from pipeline.stages import StageResult
+
+
+def identity(cfg: PipelineConfig) -> dict:
+    m = cfg.model
+    if m.path is not None:
+        return {"source": "path", "path": str(Path(m.path).resolve()), "text_prefix": m.text_prefix,
+                "allow_patterns": list(m.allow_patterns)}
+    if m.source == "tiny":
+        from dataclasses import asdict
+
+        return {"source": "tiny", "tiny": asdict(m.tiny), "generator": code_digest("tiny_model.py", "texts.py")}
+    return {"source": "hub", "hub_id": m.hub_id, "revision": m.revision, "allow_patterns": list(m.allow_patterns)}
+
+
+def _link_or_copy(src_dir: Path, dst_dir: Path, patterns: list[str]) -> None:
+    files = [p for p in sorted(src_dir.iterdir())
+             if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise CheckpointError(f"model.path={src_dir} holds no *.safetensors file: point it at a checkpoint directory")
+    for src in files:
+        try:
+            os.link(src, dst_dir / src.name)
+        except OSError:
+            shutil.copy2(src, dst_dir / src.name)
+
+
+def download(hub_id: str, revision: str, patterns: list[str], into: Path) -> None:
+    """A pinned snapshot of a Hub repo (resumable; the Hub's own client and cache do the transfer)."""
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(repo_id=hub_id, revision=revision, local_dir=into, allow_patterns=patterns)
+    shutil.rmtree(into / ".cache", ignore_errors=True)  # the client's download bookkeeping, not checkpoint files
+
+
+def materialise(cfg: PipelineConfig, into: Path) -> None:
+    m = cfg.model
+    if m.path is not None:
+        _link_or_copy(Path(m.path), into, m.allow_patterns)
+    elif m.source == "tiny":
+        from pipeline.tiny_model import generate
+
+        generate(m.tiny, into)
+    else:
+        download(m.hub_id, m.revision, m.allow_patterns, into)
+
+
+def describe(cfg: PipelineConfig, weights: Path, fp: str) -> dict:
+    """Check the checkpoint against its config.json and record what it is."""
+    spec = load_spec(weights)
+    with Checkpoint(weights, cfg.model.text_prefix, cfg.model.head_key) as ckpt:
+        ckpt.verify(spec)
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(weights.iterdir())
+             if p.is_file()}
+    return {
+        "fingerprint": fp,
+        "name": cfg.model.name,
+        "source": identity(cfg)["source"],
+        "hub_id": cfg.model.hub_id,
+        "revision": cfg.model.revision,
+        "text_prefix": cfg.model.text_prefix,
+        "head_key": cfg.model.head_key,
+        "config_digest": files["config.json"]["sha256"],
+        "weights_digest": fingerprint({"files": files}),
+        "files": files,
+        "spec": spec.to_dict(),
+    }
+
+
+def run(cfg: PipelineConfig) -> StageResult:
+    paths = Paths.of(cfg)
+    fp = fingerprint(identity(cfg))
+    if not cfg.force and is_fresh(paths.model_record, fp, [paths.weights]):
+        log.info("model: %s is up to date (%s)", cfg.model.name, paths.weights)
+        return StageResult("model", "skipped")
+    started = time.monotonic()
+    log.info("model: materialising %s (%s) into %s", cfg.model.name, identity(cfg)["source"], paths.weights)
+    with staged_dir(paths.weights) as tmp:
+        materialise(cfg, tmp)
+        record = describe(cfg, tmp, fp)
+    atomic_write_json(paths.model_record, record)
+    size = sum(f["size"] for f in record["files"].values())
+    log.info("model: %d files, %.1f MB, config %s", len(record["files"]), size / 1e6, record["config_digest"][:12])
+    return StageResult("model", "ran", time.monotonic() - started)
+
+
+def load(cfg: PipelineConfig) -> dict:
+    """The model record, with the checkpoint it describes; refuses a missing or out-of-date one."""
+    paths = Paths.of(cfg)
+    record = require_record(paths.model_record, "model", paths.weights)
+    if record.get("fingerprint") != fingerprint(identity(cfg)):
+        raise PipelineError(f"{paths.model_record} was made for another model configuration: run stage=model")
+    return record

@@ -1,0 +1,76 @@
+"""Stage 5, package: a deterministic archive of the rank directory, with its manifest.
+
+Writes ``artifacts/<model>/<variant>/dist/``: ``<model>-<version>.<format>`` (unpacks to one directory,
+``<model>-<version>/``, holding only the rank files) and ``manifest.json`` (schema version; model id, revision and
+config digest; the variant; backend, compiler and exact compiler arguments; toolchain; each member's path, size and
+sha256; the archive's name, size and sha256; the input fingerprint). Same inputs, same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pipeline import __version__
+from pipeline import archive as archive_mod
+from pipeline import manifest as manifest_mod
+from pipeline.config import PipelineConfig
+from pipeline.errors import IntegrityError
+from pipeline.fsutil import staged_dir
+from pipeline.log import log
+from pipeline.paths import Paths
+from pipeline.records import fingerprint, is_fresh
+from pipeline.stages import StageResult
+from pipeline.stages import trace as trace_stage
+
+
+def version_name(variant: str, compiler_id: str) -> str:
+    """``<variant>-<compiler>``, e.g. ``2048_bf16-ncc2.23.6484.0`` or ``512_fp32-cpu-torch2.13.0``."""
+    return f"{variant}-{compiler_id}"
+
+
+def run(cfg: PipelineConfig) -> StageResult:
+    paths = Paths.of(cfg)
+    build = trace_stage.load(cfg)
+    version = version_name(cfg.variant.name, build["compiler"]["id"])
+    root = f"{cfg.model.name}-{version}"
+    fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
+                      "created_by": __version__})
+    if not cfg.force and is_fresh(paths.manifest, fp):
+        manifest = manifest_mod.load(paths.manifest)
+        if (paths.dist / manifest["archive"]["name"]).is_file():
+            log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
+            return StageResult("package", "skipped")
+    started = time.monotonic()
+    for member in build["members"]:  # the build directory must still be what the trace recorded
+        archive_mod.verify_file(paths.build / member["path"], member["size"], member["sha256"], "rank file")
+    found = sorted(p.name for p in paths.build.iterdir())
+    if found != sorted(m["path"] for m in build["members"]):
+        recorded = [m["path"] for m in build["members"]]
+        raise IntegrityError(f"{paths.build} holds {found}, the trace recorded {recorded}: "
+                             "remove the stray files or rerun stage=trace force=true")
+    with staged_dir(paths.dist) as tmp:
+        out = tmp / f"{root}{archive_mod.SUFFIX[cfg.package.format]}"
+        packed = archive_mod.pack(paths.build, [m["path"] for m in build["members"]], root, out, cfg.package.format)
+        if packed["members"] != build["members"]:
+            raise IntegrityError(f"{paths.build} changed while it was being packed: rerun stage=package")
+        manifest_mod.write(tmp / "manifest.json", {
+            "schema_version": manifest_mod.SCHEMA_VERSION,
+            "version": version,
+            "fingerprint": fp,
+            "model": build["model"] | {"name": cfg.model.name},
+            "variant": {k: build["variant"][k] for k in ("name", "kv_max", "bucket", "dtype", "prefill", "tp_degree")},
+            "backend": build["backend"],
+            "compiler": build["compiler"],
+            "toolchain": build["toolchain"],
+            "layout": build["layout"],
+            "members": packed["members"],
+            "archive": packed["archive"],
+            "created_by": f"gemma4-neuron-pipeline {__version__}",
+        })
+    log.info("package: %s -> %s (%.1f MB, sha256 %s)", cfg.variant.name, packed["archive"]["name"],
+             packed["archive"]["size"] / 1e6, packed["archive"]["sha256"][:12])
+    return StageResult("package", "ran", time.monotonic() - started)
+
+
+def load(cfg: PipelineConfig) -> dict:
+    return manifest_mod.load(Paths.of(cfg).manifest)

@@ -1,0 +1,152 @@
+"""Stage 3, reference: greedy-decode the validation prompts with the independent float reference.
+
+The reference is Hugging Face ``transformers`` on the CPU in fp32 with eager attention: none of the recipe's code.
+It is independent of the compiler, so compiler upgrades reuse it.
+
+Writes ``artifacts/<model>/reference.json`` (the prompts, their token ids, the reference's generated ids, versions,
+fingerprint) and ``reference.safetensors`` (per prompt: the top-``k`` logits in fp32 with their token ids, and every
+logit in fp16), so validation never reruns the float model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline import __version__
+from pipeline.config import PipelineConfig
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from pipeline.log import log, progress
+from pipeline.paths import Paths
+from pipeline.prompts import build_prompts
+from pipeline.records import code_digest, fingerprint, is_fresh, require_record
+from pipeline.stages import StageResult
+from pipeline.stages import model as model_stage
+from pipeline.stages.toolchain import package_version
+
+TOP_K = 1000
+
+
+def load_tokenizer(weights):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(weights)
+
+
+def load_float_model(weights):
+    """transformers' own Gemma-4 in fp32 with eager attention: the text model, or the multimodal one."""
+    import json
+
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    config = json.loads((weights / "config.json").read_text())
+    cls = Gemma4ForConditionalGeneration if config.get("model_type") == "gemma4" else Gemma4ForCausalLM
+    return cls.from_pretrained(weights, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def expected_fingerprint(cfg: PipelineConfig, model_record: dict, prompts: list[dict]) -> str:
+    return fingerprint({
+        "weights": model_record["weights_digest"],
+        "prompts": [p["input_ids"] for p in prompts],
+        "max_new_tokens": cfg.validate.max_new_tokens,
+        "top_k": TOP_K,
+        "torch": package_version("torch"),
+        "transformers": package_version("transformers"),
+        "code": code_digest("stages/reference.py"),
+    })
+
+
+def logits_of(tensors: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+    """Prompt ``index``'s reference logits ``[steps, vocab]``: fp16 everywhere, exact fp32 on the top-k."""
+    full = tensors[f"{index}.logits"].float()
+    return full.scatter(-1, tensors[f"{index}.topk_indices"].long(), tensors[f"{index}.topk_values"])
+
+
+def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> dict:
+    """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32."""
+    from pipeline.parity import logit_errors
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits
+    ours = out[0, len(prompt_ids) - 1:].float()
+    errors = logit_errors(ours, reference, continuation)
+    return {"relative": errors.relative, "absolute": errors.absolute, "divergences": len(errors.divergences),
+            "steps": errors.steps}
+
+
+def generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids, pad_id) -> tuple[list[int], torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=list(eos_ids),
+                             pad_token_id=pad_id)
+    return out.sequences[0, len(prompt_ids):].tolist(), torch.stack(out.logits)[:, 0].float()
+
+
+def run(cfg: PipelineConfig) -> StageResult:
+    from safetensors.torch import save
+
+    from pipeline.recipe.spec import load_spec
+
+    paths = Paths.of(cfg)
+    model_record = model_stage.load(cfg)
+    tokenizer = load_tokenizer(paths.weights)
+    prompts = build_prompts(tokenizer, cfg.validate.prompts)
+    fp = expected_fingerprint(cfg, model_record, prompts)
+    if not cfg.force and is_fresh(paths.reference, fp, [paths.reference_tensors]):
+        log.info("reference: up to date (%s)", paths.reference)
+        return StageResult("reference", "skipped")
+    started = time.monotonic()
+    spec = load_spec(paths.weights)
+    model = load_float_model(paths.weights)
+    tensors, entries = {}, []
+    for i, prompt in enumerate(progress(prompts, desc="reference")):
+        ids, logits = generate(model, prompt["input_ids"], cfg.validate.max_new_tokens, spec.eos_token_ids,
+                               spec.pad_token_id)
+        k = min(TOP_K, logits.shape[-1])
+        top = logits.topk(k, dim=-1)
+        tensors[f"{i}.topk_values"] = top.values.contiguous()
+        tensors[f"{i}.topk_indices"] = top.indices.to(torch.int32).contiguous()
+        tensors[f"{i}.logits"] = logits.to(torch.float16).contiguous()
+        entries.append({**prompt, "output_ids": ids, "stopped_on_eos": bool(ids and ids[-1] in spec.eos_token_ids)})
+        log.info("reference: %-10s %4d prompt tokens -> %d new tokens", prompt["name"], len(prompt["input_ids"]),
+                 len(ids))
+    model.to(torch.bfloat16)  # the same weights rounded: the dtype noise bf16 builds are judged against
+    for i, entry in enumerate(entries):
+        noise = dtype_noise(model, entry["input_ids"], entry["output_ids"], logits_of(tensors, i))
+        entry["dtype_noise"] = {"bf16": noise}
+    atomic_write_bytes(paths.reference_tensors, save(tensors, metadata={"format": "pt"}))
+    atomic_write_json(paths.reference, {
+        "fingerprint": fp,
+        "model": {"name": cfg.model.name, "weights_digest": model_record["weights_digest"]},
+        "max_new_tokens": cfg.validate.max_new_tokens,
+        "top_k": TOP_K,
+        "prompts": entries,
+        "logits_file": {"name": paths.reference_tensors.name, "sha256": sha256_file(paths.reference_tensors)},
+        "versions": {"torch": package_version("torch"), "transformers": package_version("transformers"),
+                     "pipeline": __version__},
+        "eos_token_ids": list(spec.eos_token_ids),
+    })
+    return StageResult("reference", "ran", time.monotonic() - started)
+
+
+def load(cfg: PipelineConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The reference record and tensors; refuses a missing one, or one stale for the model or the prompts."""
+    from safetensors.torch import load_file
+
+    paths = Paths.of(cfg)
+    record = require_record(paths.reference, "reference", paths.reference_tensors)
+    model_record = model_stage.load(cfg)
+    prompts = build_prompts(load_tokenizer(paths.weights), cfg.validate.prompts)
+    if record.get("model", {}).get("weights_digest") != model_record["weights_digest"]:
+        raise PipelineError(f"{paths.reference} is stale: it was made for other weights than {paths.weights}; "
+                            "run stage=reference")
+    if [p["input_ids"] for p in record.get("prompts", [])] != [p["input_ids"] for p in prompts] \
+            or record.get("max_new_tokens") != cfg.validate.max_new_tokens:
+        raise PipelineError(f"{paths.reference} is stale: validate.prompts or validate.max_new_tokens changed since "
+                            "it was made; run stage=reference")
+    if sha256_file(paths.reference_tensors) != record["logits_file"]["sha256"]:
+        raise PipelineError(f"{paths.reference_tensors} does not match {paths.reference}: "
+                            "run stage=reference force=true")
+    return record, load_file(paths.reference_tensors)

@@ -1,0 +1,210 @@
+"""Validation of a packaged build, run in a fresh interpreter through the path a server would use.
+
+``python -m pipeline.validation JOB.json RESULT.json``: verify the archive against its manifest, unpack it safely
+into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge them
+against the reference (``pipeline/parity.py``), then measure throughput. Nothing is loaded before the archive and
+every member match the manifest. The result (metrics and a report a person can act on) is written to RESULT.json;
+the stage process applies the gates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from pipeline.archive import extract_verified
+from pipeline.backends import get_backend
+from pipeline.backends.base import BuildShape
+from pipeline.fsutil import atomic_write_json, sha256_file, temp_dir_beside
+from pipeline.generation import Generation, Generator
+from pipeline.log import log, progress
+from pipeline.manifest import check as check_manifest
+from pipeline.parity import judge_logits, logit_errors
+
+CONTEXT = 12  # tokens shown either side of a divergence in the failure report
+TOP_SHOWN = 5
+
+
+def applicable(prompts: list[dict], shape: BuildShape, max_new_tokens: int) -> list[int]:
+    """Indices of the reference prompts this variant can serve (prompt plus new tokens within kv_max)."""
+    return [i for i, p in enumerate(prompts) if len(p["input_ids"]) + max_new_tokens <= shape.kv_max]
+
+
+def first_divergence(ours: list[int], reference: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            return i
+    return None if len(ours) == len(reference) else min(len(ours), len(reference))
+
+
+def throughput(gens: list[Generation]) -> dict:
+    """Decode speed and time to first token over the measured (non-warm-up) generations."""
+    steps = [s for g in gens for s in g.decode_s]
+    ttft = [g.ttft_s for g in gens]
+    decode_time = sum(steps)
+    return {
+        "tokens_per_s": round(len(steps) / decode_time, 3) if decode_time else None,
+        "ms_per_token": round(1e3 * decode_time / len(steps), 3) if steps else None,
+        "ttft_ms": round(1e3 * statistics.median(ttft), 3) if ttft else None,
+        "decode_steps": len(steps),
+    }
+
+
+class Explainer:
+    """Turns a divergence into text a person can act on: the tokens around it and the top logits on both sides."""
+
+    def __init__(self, weights: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(weights)
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def top(self, logits: torch.Tensor) -> list[dict]:
+        values, ids = logits.float().topk(min(TOP_SHOWN, logits.numel()))
+        return [{"token": int(i), "text": self.text([int(i)]), "logit": round(float(v), 4)}
+                for v, i in zip(values, ids)]
+
+    def divergence(self, prompt: dict, step: int, ours_tokens: list[int], ours_logits: torch.Tensor,
+                   ref_logits: torch.Tensor) -> dict:
+        ref = prompt["output_ids"]
+        start = max(0, step - CONTEXT)
+        report = {
+            "step": step,
+            "context_before": self.text(ref[start:step]),
+            "reference_after": self.text(ref[step:step + CONTEXT]),
+            "ours_after": self.text(ours_tokens[step:step + CONTEXT]),
+        }
+        if step < len(ours_logits) and step < len(ref_logits):
+            report["ours_top"] = self.top(ours_logits[step])
+            report["reference_top"] = self.top(ref_logits[step])
+        return report
+
+
+def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, parity, noise: dict | None,
+          explainer: Explainer) -> dict:
+    """One prompt's parity verdict and report entry."""
+    ref_tokens = prompt["output_ids"]
+    entry = {"prompt": prompt["name"], "prompt_tokens": len(prompt["input_ids"]), "mode": mode,
+             "new_tokens": len(gen.tokens), "reference_tokens": len(ref_tokens)}
+    if mode == "exact":
+        index = first_divergence(gen.tokens, ref_tokens)
+        compared = index if index is not None else len(ref_tokens)
+        errors = logit_errors(gen.logits[:compared], ref_logits[:compared], ref_tokens[:compared])
+        entry.update(passed=index is None, first_divergence=index, max_abs_dlogit=errors.absolute["all"])
+    else:
+        errors = logit_errors(gen.logits, ref_logits, ref_tokens)
+        index = errors.divergences[0]["step"] if errors.divergences else None
+        entry.update(first_divergence=index, teacher_forced_match=round(errors.match_share, 4),
+                     relative_error=errors.relative, max_abs_dlogit=errors.absolute["all"],
+                     divergences=len(errors.divergences))
+        if mode == "teacher_forced":
+            entry["passed"] = errors.match_share >= parity.teacher_forced_min
+            if not entry["passed"]:
+                entry["failures"] = [f"teacher-forced match {errors.match_share:.3f} < {parity.teacher_forced_min}"]
+        else:
+            verdict = judge_logits(errors, ref_logits, parity.logits, noise)
+            entry.update(passed=verdict["passed"], route=verdict["route"], failures=verdict["failures"])
+    if index is not None and not entry["passed"]:
+        entry["divergence"] = explainer.divergence(prompt, index, gen.tokens, gen.logits, ref_logits)
+    return entry
+
+
+def _namespace(obj):
+    if isinstance(obj, dict):
+        return SimpleNamespace(**{k: _namespace(v) if k != "tol_map" else v for k, v in obj.items()})
+    return obj
+
+
+def run_job(job: dict) -> dict:
+    from safetensors.torch import load_file
+
+    from pipeline.recipe.checkpoint import Checkpoint
+    from pipeline.recipe.host import HostEmbeddings, HostPrefill
+    from pipeline.recipe.spec import load_spec
+    from pipeline.stages.reference import logits_of
+
+    manifest = check_manifest(job["manifest"], "manifest")
+    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    reference = job["reference"]
+    parity = _namespace(job["parity"])
+    mode = getattr(parity, shape.dtype)
+    max_new = reference["max_new_tokens"]
+    chosen = applicable(reference["prompts"], shape, max_new)
+    if not chosen:
+        raise ValueError(f"no validation prompt fits kv_max={shape.kv_max} with {max_new} new tokens")
+    if sha256_file(job["reference_tensors"]) != reference["logits_file"]["sha256"]:
+        raise ValueError(f"{job['reference_tensors']} does not match reference.json: run stage=reference force=true")
+    tensors = load_file(job["reference_tensors"])
+    explainer = Explainer(job["weights"])
+
+    work = temp_dir_beside(Path(job["workdir"]))
+    started = time.monotonic()
+    try:
+        ranks = extract_verified(Path(job["archive"]), manifest, work / "ranks")
+        unpacked = time.monotonic()
+        spec = load_spec(job["weights"])
+        with Checkpoint(job["weights"], job["text_prefix"], job["head_key"]) as ckpt:
+            host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
+            with get_backend(manifest["backend"]).load(ranks, shape) as runner:
+                loaded = time.monotonic()
+                gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+                first = reference["prompts"][chosen[0]]["input_ids"]
+                for _ in range(job["warmup_prompts"]):
+                    gen.generate(first, max_new)  # first-call costs, never timed
+                results = []
+                for i in progress(chosen, desc="validate"):
+                    prompt = reference["prompts"][i]
+                    forced = None if mode == "exact" else prompt["output_ids"]
+                    results.append((i, gen.generate(prompt["input_ids"], max_new, forced=forced)))
+                rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    report = []
+    for i, g in results:
+        prompt = reference["prompts"][i]
+        noise = prompt.get("dtype_noise", {}).get(shape.dtype) if shape.dtype == "bf16" else None
+        report.append(judge(prompt, g, logits_of(tensors, i), mode, parity, noise, explainer)
+                      | {"ttft_ms": round(g.ttft_s * 1e3, 3), "prefill_calls": g.prefill_calls})
+    shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
+    return {
+        "parity": {"mode": mode, "passed": all(r["passed"] for r in report), "prompts": len(report),
+                   "prompts_matched": sum(r["passed"] for r in report),
+                   "teacher_forced_match": round(min(shares), 4) if shares else None,
+                   "max_abs_dlogit": round(max(r["max_abs_dlogit"] for r in report), 6)},
+        "throughput": throughput([g for _, g in results]),
+        "costs_s": {"verify_unpack": round(unpacked - started, 3), "load": round(loaded - unpacked, 3)},
+        "peak_rank_rss_bytes": max(rss) if rss else None,
+        "report": report,
+    }
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pipeline.log import quiet_third_party
+
+    quiet_third_party()
+    job_path, result_path = Path(argv[0]), Path(argv[1])
+    job = json.loads(job_path.read_text())
+    torch.set_num_threads(1)
+    try:
+        result = {"ok": True, "metrics": run_job(job)}
+    except Exception as exc:  # noqa: BLE001 - the stage process reports it
+        log.exception("validation failed")
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+    atomic_write_json(result_path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""One variant end to end through the command line users run, then again (everything up to date)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import manifest as manifest_mod
+from pipeline.fsutil import sha256_file
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT = "512_fp32"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    root = tmp_path_factory.mktemp("e2e") / "artifacts"
+    first = run_cli(f"+variant={VARIANT}", "backend=cpu", f"artifacts_dir={root}")
+    return root, first
+
+
+def test_every_stage_ran_and_left_its_outputs(built):
+    root, first = built
+    log = first.stdout + first.stderr
+    assert "ran toolchain, model, reference, trace, package, validate, publish" in log
+    vdir = root / "gemma4_tiny" / VARIANT
+    assert sorted(p.name for p in (vdir / "build").iterdir()) == ["tp_0.pt", "tp_1.pt"]
+    manifest = manifest_mod.load(vdir / "dist" / "manifest.json")
+    archive = vdir / "dist" / manifest["archive"]["name"]
+    assert sha256_file(archive) == manifest["archive"]["sha256"]
+    assert manifest["version"] == f"{VARIANT}-cpu-torch2.13.0"
+    assert [m["path"] for m in manifest["members"]] == ["tp_0.pt", "tp_1.pt"]
+    metrics = json.loads((vdir / "metrics.json").read_text())
+    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"] is True
+    assert metrics["throughput"]["tokens_per_s"] > 0 and metrics["throughput"]["ttft_ms"] > 0
+    receipt = json.loads((vdir / "publish.json").read_text())
+    assert receipt["tag"] == manifest["version"] and len(receipt["commit"]) == 40
+    toolchain = json.loads((root / "toolchain.json").read_text())
+    assert toolchain["backend"] == "cpu" and toolchain["packages"]["neuronx-cc"]["version"] is None
+
+
+def test_the_archive_unpacks_to_one_directory_of_rank_files(built):
+    import tarfile
+
+    root, _ = built
+    dist = root / "gemma4_tiny" / VARIANT / "dist"
+    manifest = manifest_mod.load(dist / "manifest.json")
+    with tarfile.open(dist / manifest["archive"]["name"]) as tar:
+        names = tar.getnames()
+    top = manifest["archive"]["root"]
+    assert names == [top, f"{top}/tp_0.pt", f"{top}/tp_1.pt"]
+
+
+def test_the_published_repo_holds_the_version(built):
+    root, _ = built
+    repo = root / "published"
+    tags = subprocess.run(["git", "tag"], cwd=repo, capture_output=True, text=True).stdout.split()
+    assert tags == [f"{VARIANT}-cpu-torch2.13.0"]
+    files = subprocess.run(["git", "ls-tree", "-r", "--name-only", tags[0]], cwd=repo, capture_output=True,
+                           text=True).stdout.split()
+    assert "README.md" in files and f"{VARIANT}/manifest.json" in files and f"{VARIANT}/metrics.json" in files
+    published = json.loads(subprocess.run(["git", "show", f"{tags[0]}:{VARIANT}/manifest.json"], cwd=repo,
+                                          capture_output=True, text=True).stdout)
+    assert published["validation"]["parity"]["passed"] is True
+
+
+def test_a_second_run_rebuilds_nothing(built):
+    root, _ = built
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and "logs" not in p.parts}
+    second = run_cli(f"+variant={VARIANT}", "backend=cpu", f"artifacts_dir={root}")
+    assert "ran toolchain, publish" in second.stdout + second.stderr  # publish only checks: same fingerprint
+    assert "nothing to do" in second.stdout + second.stderr
+    after = {p: p.stat().st_mtime_ns for p in before}
+    assert after == before
