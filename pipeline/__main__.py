@@ -30,7 +30,10 @@ def run_pipeline(cfg) -> list:
     results = []
     started = time.monotonic()
     for name in stages:
+        began = time.monotonic()
         result = module(name).run(cfg)
+        result.seconds = time.monotonic() - began
+        log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)
         results.append(result)
     ran = [r.stage for r in results if r.status == "ran"]
     log.info("done in %.1f s%s: ran %s", time.monotonic() - started,

@@ -8,6 +8,7 @@ and every output it names is present, exactly as DVC decides it from dvc.lock.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,29 @@ def fingerprint(parts: dict[str, Any]) -> str:
     return sha256_bytes(canonical_json(parts).encode())
 
 
+def _semantic_source(path: Path) -> str:
+    """The code of a Python file without comments, formatting or docstrings: what it does, not how it reads."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            body[0] = ast.Pass()
+    return ast.dump(tree, include_attributes=False)
+
+
 def code_digest(*relative: str) -> str:
-    """Digest of the pipeline's own source files under ``relative`` paths (files or directories)."""
+    """Digest of the pipeline's own source under ``relative`` paths (files or directories).
+
+    Semantic: reformatting, comments and docstrings leave it unchanged, so they never invalidate a build.
+    """
     digest = hashlib.sha256()
     for rel in relative:
         root = PACKAGE_DIR / rel
         files = [root] if root.is_file() else sorted(root.rglob("*.py"))
         for path in files:
             digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes() + b"\0")
+            digest.update(_semantic_source(path).encode() + b"\0")
     return digest.hexdigest()
 
 
