@@ -122,6 +122,45 @@ class ParityConfig:
         return getattr(self, dtype)
 
 
+CONTEXTS = ("short", "half", "near_max")
+
+
+@dataclass
+class FloorConfig:
+    """A throughput gate. Unset (null) limits are not gated."""
+
+    tokens_per_s: float | None = None
+    """Decode tokens per second, the slowest context must reach it."""
+    ttft_ms_device: float | None = None
+    """Time to first token at the short context, device-prefill variants."""
+    ttft_ms_host: float | None = None
+    """Time to first token at the short context, host-prefill variants."""
+
+
+@dataclass
+class ThroughputConfig:
+    contexts: list[str] = field(default_factory=lambda: list(CONTEXTS))
+    """Prompt lengths measured: short_tokens, half of kv_max, and kv_max minus the decoded tokens."""
+    short_tokens: int = 16
+    decode_tokens: int = 16
+    runs: int = 2
+    warmup_runs: int = 1
+    floors: dict[str, dict[str, FloorConfig]] = field(default_factory=dict)
+    """``floors.<backend>.<hardware>``; the hardware name ``any`` matches every hardware of that backend."""
+
+    def __post_init__(self) -> None:
+        # OmegaConf checks the nested FloorConfig keys but hands back plain dicts two levels down.
+        self.floors = {backend: {hw: f if isinstance(f, FloorConfig) else FloorConfig(**f) for hw, f in inner.items()}
+                       for backend, inner in self.floors.items()}
+
+    def floor(self, backend: str, hardware: str) -> tuple[str | None, FloorConfig | None]:
+        by_hardware = self.floors.get(backend, {})
+        for name in (hardware, "any"):
+            if name in by_hardware:
+                return f"{backend}.{name}", by_hardware[name]
+        return None, None
+
+
 @dataclass
 class ValidateConfig:
     max_new_tokens: int = 32
@@ -129,6 +168,9 @@ class ValidateConfig:
     warmup_prompts: int = 1
     """Generations run before timing starts (excluded from throughput)."""
     parity: ParityConfig = field(default_factory=ParityConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    prompt_names: list[str] | None = None
+    """The prompts a variant must validate; null: every prompt that fits its kv_max."""
 
 
 @dataclass
@@ -255,6 +297,27 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found.append(f"validate.parity.logits.divergence_tol={lg.divergence_tol} must not be negative")
     if lg.noise_multiplier <= 0:
         found.append(f"validate.parity.logits.noise_multiplier={lg.noise_multiplier} must be positive")
+    tp = val.throughput
+    for c in tp.contexts:
+        found += _choice("validate.throughput.contexts entry", c, CONTEXTS)
+    for key, value in (("short_tokens", tp.short_tokens), ("decode_tokens", tp.decode_tokens), ("runs", tp.runs)):
+        if value < 1:
+            found.append(f"validate.throughput.{key}={value} must be at least 1")
+    if tp.warmup_runs < 0:
+        found.append(f"validate.throughput.warmup_runs={tp.warmup_runs} must be 0 or more")
+    for backend, by_hardware in tp.floors.items():
+        found += _choice("validate.throughput.floors key", backend, ("cpu", "neuron"))
+        for hardware, floor in by_hardware.items():
+            for name in ("tokens_per_s", "ttft_ms_device", "ttft_ms_host"):
+                value = getattr(floor, name)
+                if value is not None and value <= 0:
+                    found.append(f"validate.throughput.floors.{backend}.{hardware}.{name}={value} "
+                                 "must be positive (or null)")
+    if val.prompt_names is not None:
+        unknown = sorted(set(val.prompt_names) - {p.name for p in val.prompts})
+        if unknown:
+            known = [p.name for p in val.prompts]
+            found.append(f"validate.prompt_names {unknown} are not in validate.prompts ({known})")
     slices = ("top5", "top50", "top1000", "all")
     if sorted(lg.tol_map) != sorted(slices):
         found.append(f"validate.parity.logits.tol_map has keys {sorted(lg.tol_map)}, expected exactly {list(slices)}")

@@ -71,5 +71,14 @@ class Paths:
         return self.variant_dir / "metrics.json"
 
     @property
+    def validation_report(self) -> Path:
+        return self.variant_dir / "validation.json"
+
+    @property
+    def plot_rows(self) -> Path:
+        """Per variant, beside the other variants' rows: dvc plots reads the directory as one chart."""
+        return self.model_dir / "plots" / f"{self.variant}.json"
+
+    @property
     def receipt(self) -> Path:
         return self.variant_dir / "publish.json"

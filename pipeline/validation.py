@@ -23,11 +23,13 @@ import torch
 from pipeline.archive import extract_verified
 from pipeline.backends import get_backend
 from pipeline.backends.base import BuildShape
+from pipeline.errors import InputError
 from pipeline.fsutil import atomic_write_json, sha256_file, temp_dir_beside
 from pipeline.generation import Generation, Generator
 from pipeline.log import log, progress
 from pipeline.manifest import check as check_manifest
 from pipeline.parity import judge_logits, logit_errors
+from pipeline.procinfo import peak_rss_bytes
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
@@ -38,6 +40,42 @@ def applicable(prompts: list[dict], shape: BuildShape, max_new_tokens: int) -> l
     return [i for i, p in enumerate(prompts) if len(p["input_ids"]) + max_new_tokens <= shape.kv_max]
 
 
+def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
+                   names: list[str] | None) -> tuple[list[int], dict]:
+    """The prompts a variant validates, and which of them cover its bucket.
+
+    Explicitly named prompts must fit; otherwise every prompt that fits is used, and the set must hold one prompt
+    near the bucket size (between half a bucket and a bucket) and one spanning several buckets. Raises
+    ``InputError`` before anything is loaded.
+    """
+    if names:
+        by_name = {p["name"]: i for i, p in enumerate(prompts)}
+        chosen = [by_name[n] for n in names]
+        for i in chosen:
+            length = len(prompts[i]["input_ids"])
+            if length + max_new_tokens > shape.kv_max:
+                raise InputError(f"validation prompt {prompts[i]['name']!r} has {length} tokens; with "
+                                 f"{max_new_tokens} new tokens it needs {length + max_new_tokens} cache positions but "
+                                 f"variant.kv_max is {shape.kv_max}: drop it from validate.prompt_names or lower "
+                                 "validate.max_new_tokens")
+    else:
+        chosen = applicable(prompts, shape, max_new_tokens)
+    if not chosen:
+        raise InputError(f"no validation prompt fits variant.kv_max={shape.kv_max} with {max_new_tokens} new tokens: "
+                         "add a shorter prompt to validate.prompts")
+    lengths = {prompts[i]["name"]: len(prompts[i]["input_ids"]) for i in chosen}
+    near = [n for n, length in lengths.items() if shape.bucket // 2 < length <= shape.bucket]
+    spans = [n for n, length in lengths.items() if length > 2 * shape.bucket]
+    coverage = {"near_bucket": near, "multi_bucket": spans}
+    if not names and shape.prefill == "device" and (not near or not spans):
+        missing = [what for what, found in (("one between half a bucket and a bucket", near),
+                                            ("one longer than two buckets", spans)) if not found]
+        raise InputError(f"the validation prompts that fit {shape.kv_max}/{shape.bucket} lack {' and '.join(missing)} "
+                         f"(lengths: {lengths}): add prompts to validate.prompts (max_tokens near {shape.bucket} and "
+                         f"above {2 * shape.bucket}, below {shape.kv_max - max_new_tokens})")
+    return chosen, coverage
+
+
 def first_divergence(ours: list[int], reference: list[int]) -> int | None:
     for i, (a, b) in enumerate(zip(ours, reference)):
         if a != b:
@@ -45,16 +83,58 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
     return None if len(ours) == len(reference) else min(len(ours), len(reference))
 
 
-def throughput(gens: list[Generation]) -> dict:
-    """Decode speed and time to first token over the measured (non-warm-up) generations."""
-    steps = [s for g in gens for s in g.decode_s]
-    ttft = [g.ttft_s for g in gens]
-    decode_time = sum(steps)
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (what NxDI's benchmark report uses via numpy's default, within a sample)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def latency_report(step_s: list[float]) -> dict:
+    """neuronx-distributed-inference's report keys over per-step latencies, in milliseconds."""
+    ms = [s * 1e3 for s in step_s]
+    report = {f"latency_ms_p{q}": round(percentile(ms, q), 3) for q in (50, 90, 95, 99, 100)}
+    report["latency_ms_avg"] = round(sum(ms) / len(ms), 3)
+    return report
+
+
+def context_lengths(shape: BuildShape, settings) -> dict[str, int]:
+    lengths = {"short": settings.short_tokens, "half": shape.kv_max // 2,
+               "near_max": shape.kv_max - settings.decode_tokens - 1}
+    return {name: max(1, min(lengths[name], shape.kv_max - settings.decode_tokens - 1)) for name in settings.contexts}
+
+
+def measure_throughput(gen: Generator, shape: BuildShape, settings, filler: list[int]) -> dict:
+    """Time to first token and decode latency at each context length, warm-up runs excluded.
+
+    Each run prefills a prompt of the context's length and decodes ``decode_tokens`` tokens, fed a fixed
+    continuation so that every run does the same work (a greedy run could stop early on an EOS).
+    """
+    contexts, pooled, e2e_tokens, e2e_s = {}, [], 0, 0.0
+    steps = settings.decode_tokens + 1
+    for name, length in context_lengths(shape, settings).items():
+        prompt = (filler * (length // len(filler) + 1))[:length]
+        feed = (filler * (steps // len(filler) + 1))[:steps]
+        for _ in range(settings.warmup_runs):
+            gen.generate(prompt, steps, forced=feed)
+        ttft, decode = [], []
+        for _ in range(settings.runs):
+            g = gen.generate(prompt, steps, forced=feed)
+            ttft.append(g.ttft_s)
+            decode += g.decode_s
+            e2e_tokens += length + len(g.tokens)
+            e2e_s += g.ttft_s + sum(g.decode_s)
+        pooled += decode
+        avg = sum(decode) / len(decode)
+        contexts[name] = {"context_tokens": length, "ttft_ms": round(1e3 * statistics.median(ttft), 3),
+                          "tokens_per_s": round(1 / avg, 3), "ms_per_token": round(1e3 * avg, 3),
+                          **latency_report(decode)}
+    slowest = min(contexts.values(), key=lambda c: c["tokens_per_s"])
+    first = contexts.get("short") or next(iter(contexts.values()))
     return {
-        "tokens_per_s": round(len(steps) / decode_time, 3) if decode_time else None,
-        "ms_per_token": round(1e3 * decode_time / len(steps), 3) if steps else None,
-        "ttft_ms": round(1e3 * statistics.median(ttft), 3) if ttft else None,
-        "decode_steps": len(steps),
+        "summary": {"tokens_per_s": slowest["tokens_per_s"], "ms_per_token": slowest["ms_per_token"],
+                    "ttft_ms": first["ttft_ms"], **latency_report(pooled),
+                    "throughput": round(e2e_tokens / e2e_s, 3), "decode_steps": len(pooled)},
+        "contexts": contexts,
     }
 
 
@@ -139,9 +219,7 @@ def run_job(job: dict) -> dict:
     parity = _namespace(job["parity"])
     mode = getattr(parity, shape.dtype)
     max_new = reference["max_new_tokens"]
-    chosen = applicable(reference["prompts"], shape, max_new)
-    if not chosen:
-        raise ValueError(f"no validation prompt fits kv_max={shape.kv_max} with {max_new} new tokens")
+    chosen = job["prompts"]
     if sha256_file(job["reference_tensors"]) != reference["logits_file"]["sha256"]:
         raise ValueError(f"{job['reference_tensors']} does not match reference.json: run stage=reference force=true")
     tensors = load_file(job["reference_tensors"])
@@ -166,6 +244,9 @@ def run_job(job: dict) -> dict:
                     prompt = reference["prompts"][i]
                     forced = None if mode == "exact" else prompt["output_ids"]
                     results.append((i, gen.generate(prompt["input_ids"], max_new, forced=forced)))
+                parity_done = time.monotonic()
+                filler = [t for p in reference["prompts"] for t in p["input_ids"]]
+                measured = measure_throughput(gen, shape, _namespace(job["throughput"]), filler)
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -182,9 +263,12 @@ def run_job(job: dict) -> dict:
                    "prompts_matched": sum(r["passed"] for r in report),
                    "teacher_forced_match": round(min(shares), 4) if shares else None,
                    "max_abs_dlogit": round(max(r["max_abs_dlogit"] for r in report), 6)},
-        "throughput": throughput([g for _, g in results]),
-        "costs_s": {"verify_unpack": round(unpacked - started, 3), "load": round(loaded - unpacked, 3)},
-        "peak_rank_rss_bytes": max(rss) if rss else None,
+        "throughput": measured["summary"],
+        "contexts": measured["contexts"],
+        "costs_s": {"verify_unpack": round(unpacked - started, 3), "load": round(loaded - unpacked, 3),
+                    "parity": round(parity_done - loaded, 3), "throughput": round(time.monotonic() - parity_done, 3)},
+        "peak_rss_mb": {"ranks": round(max(rss) / 2**20, 1) if rss else None,
+                        "host": round(peak_rss_bytes() / 2**20, 1)},
         "report": report,
     }
 

@@ -18,6 +18,7 @@ from pipeline.recipe.host import HostEmbeddings, HostPrefill
 from pipeline.recipe.spec import load_spec
 
 from .conftest import NEW_TOKENS
+from .helpers import edited_checkpoint
 
 KV_MAX, BUCKET = 256, 32
 LOGIT_BOUND = 1e-3  # fp32 rank files vs transformers: only summation order differs (measured: < 5e-5)
@@ -102,15 +103,12 @@ def test_rank_files_are_byte_identical_across_builds(builds, tiny_dir, tmp_path)
 
 def test_parity_catches_a_loader_that_skips_layer_scalar(tiny_dir, tmp_path, prompts, hf_reference):
     """An artifact built as a parameters-only loader would build it (every layer_scalar left at 1) diverges."""
-    from safetensors.torch import load_file, save_file
+    def scalars_to_one(tensors):
+        for key in tensors:
+            if key.endswith("layer_scalar"):
+                tensors[key] = torch.ones_like(tensors[key])
 
-    broken = tmp_path / "weights"
-    shutil.copytree(tiny_dir, broken)
-    tensors = load_file(broken / "model.safetensors")
-    for key in tensors:
-        if key.endswith("layer_scalar"):
-            tensors[key] = torch.ones_like(tensors[key])
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    broken = edited_checkpoint(tiny_dir, tmp_path / "weights", scalars_to_one)
     shape = BuildShape(KV_MAX, BUCKET, "fp32", "device", 2)
     build(broken, tmp_path / "build", shape)
     gens = run(broken, tmp_path / "build", shape, prompts[:1])
@@ -133,18 +131,8 @@ def test_bad_variants_are_refused_before_tracing(tiny_dir, tmp_path, kv_max, buc
     assert list(tmp_path.iterdir()) == []
 
 
-def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_checkpoint_missing_a_tensor_is_refused_by_name(tiny_dir, tmp_path):
-    weights = _rewrite_checkpoint(tiny_dir, tmp_path / "w", lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    weights = edited_checkpoint(tiny_dir, tmp_path / "w", lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.mlp.up_proj.weight'"):
         build(weights, tmp_path / "out", BuildShape(KV_MAX, BUCKET, "fp32", "device", 2))
     assert not (tmp_path / "out").exists()
@@ -155,7 +143,7 @@ def test_checkpoint_with_a_wrong_shape_or_an_extra_tensor_is_refused_by_name(tin
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 128)
         t["model.layers.0.self_attn.surprise.weight"] = torch.zeros(1)
 
-    weights = _rewrite_checkpoint(tiny_dir, tmp_path / "w", edit)
+    weights = edited_checkpoint(tiny_dir, tmp_path / "w", edit)
     with pytest.raises(CheckpointError) as err:
         build(weights, tmp_path / "out", BuildShape(KV_MAX, BUCKET, "fp32", "device", 2))
     expected = "'model.layers.0.self_attn.k_proj.weight' has shape [32, 128], config.json implies [64, 128]"

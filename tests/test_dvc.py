@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvcignore", ".gitignore"]
+COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]
 VARIANTS = ["512_fp32", "256_bf16_host"]
 
 
@@ -79,3 +79,22 @@ def test_editing_one_variant_reruns_only_that_variant(repo):
     assert stages <= {"toolchain"} | {f"{s}@256_bf16_host" for s in ("trace", "package", "validate", "publish")}
     # The retraced rank files are byte-identical, so DVC stops at the first unchanged output.
     assert "Stage 'validate@256_bf16_host' didn't change" in out
+
+
+def test_metrics_diff_and_plots_read_cleanly(repo):
+    """Commit a build's metrics with dvc.lock, validate again: the diff is figures only, the plots render."""
+    for args in (["add", "-A"], ["commit", "-q", "-m", "build"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    dvc(repo, "repro", "--force", "--single-item", "validate@512_fp32")
+    diff = dvc(repo, "metrics", "diff", "--all")
+    assert "throughput.tokens_per_s" in diff and "throughput.latency_ms_p50" in diff
+    assert not re.search(r"[0-9a-f]{40}", diff)  # no checksums or fingerprints among the figures
+    plots = json.loads(dvc(repo, "plots", "show", "--json"))
+    assert not plots.get("errors")
+    for variant in VARIANTS:
+        spec = plots["data"][f"artifacts/gemma4_tiny/plots/{variant}.json"][0]["content"]
+        fields = {layer["encoding"]["y"]["field"] for layer in spec["hconcat"]}
+        assert fields == {"tokens_per_s", "ms_per_token"}
+        kv_max = int(variant.split("_")[0])
+        lengths = sorted(row["context_tokens"] for row in spec["data"]["values"])
+        assert lengths == [16, kv_max // 2, kv_max - 16 - 1]  # short, half, near kv_max

@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
-import resource
 import shutil
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
 from pipeline.errors import BuildError
 from pipeline.fsutil import sha256_file, staged_dir
+from pipeline.procinfo import peak_rss_bytes
 
 # Collectives in a saved rank name their process group; every process group this backend creates is the default
 # (WORLD) group, which torch names "0".
@@ -62,10 +62,6 @@ def _init_group(rank: int, tp_degree: int, init_file: str) -> None:
     name = dist.group.WORLD.group_name
     if name != GROUP_NAME:
         raise RuntimeError(f"gloo default group is named {name!r}, traced ranks expect {GROUP_NAME!r}")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -107,7 +103,7 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
         "rank": rank,
         "load_s": round(loaded - started, 3),
         "trace_s": round(time.monotonic() - loaded, 3),
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "file": path.name,
         "size": path.stat().st_size,
         "sha256": sha256_file(path),
@@ -117,7 +113,7 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
 def _serve_rank(rank: int, build_dir: str, conn) -> None:
     module = torch.jit.load(str(Path(build_dir) / f"tp_{rank}.pt"))
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
-    conn.send(("ready", {"rank": rank, "peak_rss_bytes": _peak_rss_bytes()}))
+    conn.send(("ready", {"rank": rank, "peak_rss_bytes": peak_rss_bytes()}))
     while True:
         command, payload = conn.recv()
         if command == "step":
@@ -137,7 +133,7 @@ def _serve_rank(rank: int, build_dir: str, conn) -> None:
                 buf.zero_()
             conn.send(("ok", None))
         elif command == "stats":
-            conn.send(("ok", {"peak_rss_bytes": _peak_rss_bytes()}))
+            conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes()}))
         elif command == "close":
             conn.send(("ok", None))
             return

@@ -37,7 +37,8 @@ def run(cfg: PipelineConfig) -> StageResult:
                       "created_by": __version__})
     if not cfg.force and is_fresh(paths.manifest, fp):
         manifest = manifest_mod.load(paths.manifest)
-        if (paths.dist / manifest["archive"]["name"]).is_file():
+        # Up to date only if it packs exactly the rank files the build records now.
+        if manifest["members"] == build["members"] and (paths.dist / manifest["archive"]["name"]).is_file():
             log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
             return StageResult("package", "skipped")
     started = time.monotonic()

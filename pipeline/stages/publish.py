@@ -31,21 +31,27 @@ from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
 
 
-def validation_summary(metrics: dict) -> dict:
-    return {"parity": {k: metrics["parity"][k] for k in ("mode", "passed", "prompts", "prompts_matched")},
-            "throughput": metrics["throughput"], "backend": metrics["backend"], "hardware": metrics["hardware"]}
+def validation_summary(metrics: dict, report: dict) -> dict:
+    return {"parity": {k: metrics["parity"][k] for k in ("mode", "passed", "prompts", "prompts_matched",
+                                                         "teacher_forced_match", "max_abs_dlogit")},
+            "throughput": metrics["throughput"], "contexts": metrics["contexts"], "gates": metrics["gates"],
+            "backend": report["backend"], "hardware": report["hardware"],
+            "throughput_floor": report["throughput_gate"]["floor"]}
 
 
-def require_validated(manifest: dict, metrics: dict, variant: str) -> None:
-    if metrics.get("archive_sha256") != manifest["archive"]["sha256"]:
-        raise PublishError(f"{variant}: metrics.json validates another archive than dist/ holds: run stage=validate")
-    if not metrics.get("parity", {}).get("passed"):
+def require_validated(manifest: dict, metrics: dict, report: dict, variant: str) -> None:
+    if report.get("archive_sha256") != manifest["archive"]["sha256"]:
+        raise PublishError(f"{variant}: the validation on record is for another archive than dist/ holds: "
+                           "run stage=validate")
+    gates = metrics.get("gates", {})
+    if not gates.get("passed"):
+        failed = [name for name in ("parity", "throughput") if not gates.get(name)]
         raise PublishError(f"{variant}: refusing to publish an artifact that did not pass validation "
-                           f"(parity {metrics.get('parity', {}).get('mode')} failed); see metrics.json")
+                           f"({', '.join(failed)} gate failed); see metrics.json and validation.json")
 
 
-def published_manifest(manifest: dict, metrics: dict) -> dict:
-    return check_manifest(manifest | {"validation": validation_summary(metrics)})
+def published_manifest(manifest: dict, summary: dict) -> dict:
+    return check_manifest(manifest | {"validation": summary})
 
 
 def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict) -> dict[str, Path | bytes]:
@@ -81,11 +87,11 @@ def publish_local(repo: LocalRepo, version: str, variant: str, files: dict, mani
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     manifest = package_stage.load(cfg)
-    metrics = validate_stage.load(cfg)
-    require_validated(manifest, metrics, cfg.variant.name)
+    metrics, report = validate_stage.load(cfg), validate_stage.load_report(cfg)
+    require_validated(manifest, metrics, report, cfg.variant.name)
     archive = paths.dist / manifest["archive"]["name"]
     verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
-    final = published_manifest(manifest, metrics)
+    final = published_manifest(manifest, validation_summary(metrics, report))
     version = manifest["version"]
     files = repo_files(cfg.variant.name, archive, final, metrics)
     started = time.monotonic()

@@ -1,11 +1,16 @@
-"""Stage 6, validate: parity against the float reference and throughput, of the packaged artifact.
+"""Stage 6, validate: parity against the float reference and throughput, of the packaged artifact; then the gates.
 
-The work runs in a fresh interpreter (``pipeline.validation``): verify the archive and its members against the
-manifest, unpack safely, load the ranks through the backend's loader, decode the validation prompts and compare with
-the reference, and time it. A failing gate fails the stage after writing the numbers.
+The prompts are chosen (and refused when they cannot serve the variant) before anything is loaded. The work runs in
+a fresh interpreter (``pipeline.validation``): verify the archive and its members against the manifest, unpack
+safely, load the ranks through the backend's loader, decode the validation prompts and judge them, and time three
+context lengths. Then the gates: parity must pass, and throughput must meet the floor configured for this backend
+and hardware. A failing gate fails the stage with a table of the numbers, after writing them.
 
-Writes ``artifacts/<model>/<variant>/metrics.json``: ``parity`` (mode, passed, ...), ``throughput``
-(``tokens_per_s``, ``ms_per_token``, ``ttft_ms``, ...), per-prompt details, and the fingerprint.
+Writes, under ``artifacts/<model>/<variant>/``:
+  ``metrics.json``     numbers for ``dvc metrics``: parity, throughput (NxDI's ``latency_ms_p50`` ... ``throughput``
+                       keys beside ``tokens_per_s``, ``ms_per_token``, ``ttft_ms``), per-context figures, gates
+  ``validation.json``  what was validated, how, per-prompt verdicts and the failure report
+and ``artifacts/<model>/plots/<variant>.json``: one row per context length, for ``dvc plots``.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.backends.base import BuildShape
 from pipeline.config import PipelineConfig
-from pipeline.errors import IntegrityError, ParityError, PipelineError
+from pipeline.errors import IntegrityError, ParityError, PipelineError, ThroughputError
 from pipeline.fsutil import atomic_write_json
 from pipeline.log import log
 from pipeline.paths import Paths
@@ -27,15 +33,17 @@ from pipeline.records import code_digest, fingerprint, read_record, require_reco
 from pipeline.stages import StageResult
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
+from pipeline.validation import select_prompts
 
 
 def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) -> str:
     return fingerprint({
         "archive": manifest["archive"]["sha256"],
         "reference": reference["fingerprint"],
-        "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity)},
+        "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity),
+                     "throughput": asdict(cfg.validate.throughput), "prompt_names": cfg.validate.prompt_names},
         "hardware": cfg.hardware.name,
-        "code": code_digest("validation.py", "generation.py", "stages/validate.py"),
+        "code": code_digest("validation.py", "generation.py", "parity.py", "stages/validate.py"),
     })
 
 
@@ -54,13 +62,55 @@ def run_fresh(job: dict) -> dict:
     return result["metrics"]
 
 
+def throughput_gate(cfg: PipelineConfig, backend: str, prefill: str, summary: dict) -> dict:
+    """Compare the summary with the floor for this backend and hardware."""
+    key, floor = cfg.validate.throughput.floor(backend, cfg.hardware.name)
+    rows = []
+    if floor is not None:
+        ttft_limit = floor.ttft_ms_device if prefill == "device" else floor.ttft_ms_host
+        if floor.tokens_per_s is not None:
+            rows.append({"check": "decode tokens/s (slowest context)", "value": summary["tokens_per_s"],
+                         "limit": floor.tokens_per_s, "passed": summary["tokens_per_s"] >= floor.tokens_per_s})
+        if ttft_limit is not None:
+            rows.append({"check": f"time to first token ms ({prefill} prefill, short context)",
+                         "value": summary["ttft_ms"], "limit": ttft_limit, "passed": summary["ttft_ms"] <= ttft_limit})
+    return {"floor": key, "checks": rows, "passed": all(r["passed"] for r in rows)}
+
+
+def parity_table(report: list[dict]) -> str:
+    lines = [f"  {'prompt':<12} {'tokens':>6} {'mode':<14} {'result':<7} {'first div.':>10} {'tf match':>8} "
+             f"{'max|dlogit|':>11}"]
+    for r in report:
+        tf = r.get("teacher_forced_match")
+        lines.append(f"  {r['prompt']:<12} {r['prompt_tokens']:>6} {r['mode']:<14} "
+                     f"{'pass' if r['passed'] else 'FAIL':<7} {str(r['first_divergence']):>10} "
+                     f"{'' if tf is None else f'{tf:.3f}':>8} {r['max_abs_dlogit']:>11.2e}")
+    return "\n".join(lines)
+
+
+def throughput_table(contexts: dict, gate: dict) -> str:
+    lines = [f"  {'context':<9} {'tokens':>6} {'ttft ms':>9} {'tok/s':>8} {'ms/tok':>8} {'p50':>8} {'p90':>8} "
+             f"{'p99':>8}"]
+    for name, c in sorted(contexts.items(), key=lambda item: item[1]["context_tokens"]):
+        lines.append(f"  {name:<9} {c['context_tokens']:>6} {c['ttft_ms']:>9.1f} {c['tokens_per_s']:>8.1f} "
+                     f"{c['ms_per_token']:>8.2f} {c['latency_ms_p50']:>8.2f} {c['latency_ms_p90']:>8.2f} "
+                     f"{c['latency_ms_p99']:>8.2f}")
+    if gate["floor"] is None:
+        lines.append("  no throughput floor configured for this backend and hardware: not gated")
+    for row in gate["checks"]:
+        lines.append(f"  gate {gate['floor']}: {row['check']} {row['value']:.1f} vs limit {row['limit']}: "
+                     f"{'pass' if row['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
 def failure_table(report: list[dict]) -> str:
-    lines = [f"  {'prompt':<12} {'tokens':>6} {'first divergence':>17}  why"]
+    lines = []
     for r in report:
         if r["passed"]:
             continue
         why = "; ".join(r.get("failures") or ["tokens differ"])
-        lines.append(f"  {r['prompt']:<12} {r['prompt_tokens']:>6} {str(r['first_divergence']):>17}  {why}")
+        lines.append(f"  {r['prompt']} ({r['prompt_tokens']} tokens), first divergence at new token "
+                     f"{r['first_divergence']}: {why}")
         d = r.get("divergence")
         if d:
             lines.append(f"      ...{d['context_before']!r} | reference: {d['reference_after']!r} "
@@ -77,38 +127,71 @@ def run(cfg: PipelineConfig) -> StageResult:
     manifest = package_stage.load(cfg)
     reference, _ = reference_stage.load(cfg)
     fp = metrics_fingerprint(cfg, manifest, reference)
-    previous = read_record(paths.metrics)
-    if not cfg.force and previous and previous.get("fingerprint") == fp and previous["parity"]["passed"]:
+    previous, metrics = read_record(paths.validation_report), read_record(paths.metrics)
+    if (not cfg.force and previous and metrics and previous.get("fingerprint") == fp
+            and metrics.get("gates", {}).get("passed")):
         log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
         return StageResult("validate", "skipped")
+    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
+                                      cfg.validate.prompt_names)
     started = time.monotonic()
     job = {
         "manifest": manifest,
         "archive": str((paths.dist / manifest["archive"]["name"]).resolve()),
         "reference": reference,
         "reference_tensors": str(paths.reference_tensors.resolve()),
+        "prompts": chosen,
         "parity": asdict(cfg.validate.parity),
+        "throughput": asdict(cfg.validate.throughput),
         "weights": str(paths.weights.resolve()),
         "text_prefix": cfg.model.text_prefix,
         "head_key": cfg.model.head_key,
         "workdir": str((paths.variant_dir / "validate").resolve()),
         "warmup_prompts": cfg.validate.warmup_prompts,
     }
-    log.info("validate: %s (%s) in a fresh process", cfg.variant.name, manifest["version"])
-    metrics = run_fresh(job)
-    record = {"fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
-              "backend": manifest["backend"], "hardware": cfg.hardware.name, **metrics}
-    atomic_write_json(paths.metrics, record)
-    par, tput = metrics["parity"], metrics["throughput"]
-    log.info("validate: %s parity %s (%s, %d/%d prompts), %.1f tok/s, %.1f ms/token, first token %.1f ms",
-             cfg.variant.name, "passed" if par["passed"] else "FAILED", par["mode"], par["prompts_matched"],
-             par["prompts"], tput["tokens_per_s"] or 0, tput["ms_per_token"] or 0, tput["ttft_ms"] or 0)
-    if not par["passed"]:
+    log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest["version"],
+             [reference["prompts"][i]["name"] for i in chosen])
+    measured = run_fresh(job)
+    gate = throughput_gate(cfg, manifest["backend"], shape.prefill, measured["throughput"])
+    gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
+    gates["passed"] = all(gates.values())
+    atomic_write_json(paths.metrics, {  # figures only: what dvc metrics show / diff compare
+        "parity": measured["parity"],
+        "throughput": measured["throughput"],
+        "contexts": measured["contexts"],
+        "gates": gates,
+        "costs_s": measured["costs_s"],
+        "peak_rss_mb": measured["peak_rss_mb"],
+    })
+    atomic_write_json(paths.validation_report, {
+        "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
+        "backend": manifest["backend"], "hardware": cfg.hardware.name, "coverage": coverage,
+        "throughput_gate": gate, "prompts": measured["report"],
+    })
+    atomic_write_json(paths.plot_rows, [
+        {"context": name, **{k: c[k] for k in ("context_tokens", "tokens_per_s", "ms_per_token", "ttft_ms")}}
+        for name, c in sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])])
+    log.info("validate: %s parity (%s):\n%s", cfg.variant.name, measured["parity"]["mode"],
+             parity_table(measured["report"]))
+    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest["backend"], cfg.hardware.name,
+             throughput_table(measured["contexts"], gate))
+    if not gates["parity"]:
+        par = measured["parity"]
         raise ParityError(f"{cfg.variant.name}: parity failed ({par['mode']}) on "
                           f"{par['prompts'] - par['prompts_matched']} of {par['prompts']} prompts:\n"
-                          + failure_table(metrics["report"]) + f"\nfull report: {paths.metrics}")
+                          + failure_table(measured["report"])
+                          + f"\nfull report: {paths.variant_dir / 'validation.json'}")
+    if not gates["throughput"]:
+        raise ThroughputError(f"{cfg.variant.name}: throughput below the {gate['floor']} floor:\n"
+                              + throughput_table(measured["contexts"], gate))
+    log.info("validate: %s passed every gate", cfg.variant.name)
     return StageResult("validate", "ran", time.monotonic() - started)
 
 
 def load(cfg: PipelineConfig) -> dict:
     return require_record(Paths.of(cfg).metrics, "validate")
+
+
+def load_report(cfg: PipelineConfig) -> dict:
+    return require_record(Paths.of(cfg).validation_report, "validate")

@@ -1,0 +1,49 @@
+"""Run pipeline stages in-process through the same entry point the command line uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from pipeline.__main__ import run_pipeline
+from pipeline.config import PipelineConfig, load_config
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+# Validation settings that keep a test run to a few seconds: two prompts (one spans several 128-token buckets), and
+# one short throughput context.
+FAST_VALIDATE = [
+    "validate.prompt_names=[capital,spans_64]",
+    "validate.throughput.contexts=[short]",
+    "validate.throughput.runs=1",
+    "validate.throughput.warmup_runs=0",
+    "validate.throughput.decode_tokens=4",
+    "validate.warmup_prompts=0",
+]
+
+
+def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose tensors ``edit(tensors)`` changed in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def config(artifacts: Path, *overrides: str, variant: str | None = "512_fp32") -> PipelineConfig:
+    args = [f"artifacts_dir={artifacts}", "backend=cpu", *overrides]
+    if variant:
+        args.insert(0, f"+variant={variant}")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return load_config(compose(config_name="config", overrides=args), variant)
+
+
+def run(cfg: PipelineConfig, stage: str = "all"):
+    cfg.stage = stage
+    return run_pipeline(cfg)
