@@ -1,5 +1,7 @@
 """Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
 
+Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py).
+
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
 match their inputs' fingerprint is skipped (``force=true`` rebuilds). ``--multirun '+variant=glob(*)'`` builds every
@@ -63,7 +65,13 @@ def _hydra_entry() -> None:
     task()
 
 
-SUBCOMMANDS = {}
+def _pull(argv: list[str]) -> int:
+    from pipeline.pull import main as pull_main
+
+    return pull_main(argv)
+
+
+SUBCOMMANDS = {"pull": _pull}
 
 
 def main() -> None:

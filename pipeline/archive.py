@@ -1,63 +1,61 @@
 """Deterministic archives of a rank directory, and their verified, allow-listed extraction.
 
-Packing streams every member once: the bytes read are hashed (member sha256) and written into the tar, and the
-bytes written are hashed (archive sha256) on the way to disk. Members are sorted and carry fixed metadata (mtime 0,
-uid/gid 0, no user names, mode 0644), and gzip's header time is 0, so the same rank files always give the same
-archive bytes.
+Packing is one streaming pass: each member is read once, in large chunks, hashed (member sha256) on the way into
+the tar stream, compressed (``tar.zst``: zstd on every core; ``tar.gz``: gzip, for the seed's consumers; ``tar``),
+and hashed again (archive sha256) on the way to disk. The tar stream is written here, not by ``tarfile``: sorted
+members with fixed metadata (mtime 0, uid/gid 0, no user names, modes 0755/0644), and compressors whose output does
+not depend on time or thread count (zstd's multi-threaded output is the same for any number of workers; gzip's
+header time is 0). The same rank files always give the same archive bytes.
 
-Extraction trusts nothing: the archive's sha256 must match the manifest before it is opened; then only the exact
-expected members (``<root>/`` and ``<root>/<member>`` regular files) are accepted, each no larger than the manifest
-says; their data is written by this module (never by ``tarfile.extract``) into a fresh temporary directory, hashed,
-and only a complete, verified directory is renamed into place. Links, devices, absolute or ``..`` names,
-duplicates and extra members are refused, and the destination is left untouched.
+Extraction trusts nothing: the archive's sha256 must match the manifest before it is opened; only the exact expected
+members (``<root>/`` and ``<root>/<member>`` regular files) are accepted, each no larger than the manifest says; their
+data is written by this module (never ``tarfile.extract``) into a fresh temporary directory and hashed; only a
+complete, verified directory is renamed into place. Links, devices, absolute or ``..`` names, duplicates and extra
+members are refused, and the destination is left untouched. The result is a ``VerifiedBuild``: the only thing a
+backend will load.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import os
 import shutil
 import tarfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from pipeline.errors import IntegrityError
-from pipeline.fsutil import CHUNK, sha256_file, temp_dir_beside
+from pipeline.fsutil import sha256_file, temp_dir_beside
 
-SUFFIX = {"tar": ".tar", "tar.gz": ".tar.gz"}
+FORMATS = ("tar.zst", "tar.gz", "tar")
+SUFFIX = {"tar.zst": ".tar.zst", "tar.gz": ".tar.gz", "tar": ".tar"}
+READ_CHUNK = 8 << 20
+BLOCK = tarfile.BLOCKSIZE  # 512
+RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records
+ZSTD_LEVEL = 3
 
 
-class _HashingWriter(io.RawIOBase):
-    """Pass-through file object that hashes and counts what is written."""
+# -- packing ------------------------------------------------------------------------------------------------------
+
+class _HashingSink:
+    """Counts and hashes what is written before passing it on."""
 
     def __init__(self, raw: BinaryIO):
         self.raw, self.digest, self.size = raw, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
 
     def write(self, data) -> int:
         self.digest.update(data)
         self.size += len(data)
         return self.raw.write(data)
 
-
-class _HashingReader:
-    """Pass-through reader that hashes what is read (tarfile only calls ``read``)."""
-
-    def __init__(self, raw: BinaryIO):
-        self.raw, self.digest = raw, hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.digest.update(data)
-        return data
+    def flush(self) -> None:
+        self.raw.flush()
 
 
-def _info(name: str, size: int, is_dir: bool = False) -> tarfile.TarInfo:
+def _header(name: str, size: int, is_dir: bool) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = 0 if is_dir else size
     info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
@@ -65,32 +63,76 @@ def _info(name: str, size: int, is_dir: bool = False) -> tarfile.TarInfo:
     info.mtime = 0
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    return info
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
 
-def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str) -> dict:
-    """Write ``out_path`` (tar or tar.gz) holding ``root/`` and ``root/<member>``; return checksums.
+class _TarStream:
+    """The tar format, written sequentially: header, data, padding to 512 bytes; two zero blocks; record padding."""
+
+    def __init__(self, sink):
+        self.sink, self.written = sink, 0
+
+    def _write(self, data) -> None:
+        self.sink.write(data)
+        self.written += len(data)
+
+    def add_dir(self, name: str) -> None:
+        self._write(_header(name + "/", 0, is_dir=True))
+
+    def add_file(self, name: str, path: Path) -> dict:
+        size = path.stat().st_size
+        self._write(_header(name, size, is_dir=False))
+        digest, seen = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while chunk := f.read(READ_CHUNK):
+                digest.update(chunk)
+                seen += len(chunk)
+                self._write(chunk)
+        if seen != size:
+            raise IntegrityError(f"{path} changed size while it was being packed ({size} -> {seen} bytes)")
+        if size % BLOCK:
+            self._write(b"\0" * (BLOCK - size % BLOCK))
+        return {"size": size, "sha256": digest.hexdigest()}
+
+    def close(self) -> None:
+        self._write(b"\0" * (2 * BLOCK))
+        if self.written % RECORD:
+            self._write(b"\0" * (RECORD - self.written % RECORD))
+
+
+def _compressor(fmt: str, sink, threads: int):
+    """A writer for ``fmt`` over ``sink``, and how to finish it."""
+    if fmt == "tar.zst":
+        import zstandard
+
+        # threads >= 1: multi-threaded framing, whose output is the same for any number of workers.
+        writer = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=max(1, threads), write_checksum=True) \
+            .stream_writer(sink, closefd=False)
+        return writer, lambda: writer.flush(zstandard.FLUSH_FRAME)
+    if fmt == "tar.gz":
+        writer = gzip.GzipFile(filename="", mode="wb", fileobj=sink, mtime=0, compresslevel=6)
+        return writer, writer.close
+    if fmt == "tar":
+        return sink, lambda: None
+    raise ValueError(f"unknown archive format {fmt!r}: choose one of {list(FORMATS)}")
+
+
+def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str, threads: int = 0) -> dict:
+    """Write ``out_path`` holding ``root/`` and ``root/<member>`` for each member, in one pass over the inputs.
 
     Returns ``{"members": [{path, size, sha256}], "archive": {name, format, size, sha256, root}}``.
     """
-    if fmt not in SUFFIX:
-        raise ValueError(f"unknown archive format {fmt!r}")
+    threads = threads or os.cpu_count() or 1
     entries = []
     with open(out_path, "wb") as raw:
-        sink = _HashingWriter(raw)
-        compressed = gzip.GzipFile(filename="", mode="wb", fileobj=sink, mtime=0, compresslevel=6) \
-            if fmt == "tar.gz" else None
-        with tarfile.open(fileobj=compressed or sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            tar.addfile(_info(root, 0, is_dir=True))
-            for name in sorted(members):
-                path = src_dir / name
-                size = path.stat().st_size
-                with open(path, "rb") as f:
-                    reader = _HashingReader(f)
-                    tar.addfile(_info(f"{root}/{name}", size), reader)
-                entries.append({"path": name, "size": size, "sha256": reader.digest.hexdigest()})
-        if compressed is not None:
-            compressed.close()
+        sink = _HashingSink(raw)
+        writer, finish = _compressor(fmt, sink, threads)
+        tar = _TarStream(writer)
+        tar.add_dir(root)
+        for name in sorted(members):
+            entries.append({"path": name, **tar.add_file(f"{root}/{name}", src_dir / name)})
+        tar.close()
+        finish()
         raw.flush()
         os.fsync(raw.fileno())
     return {
@@ -98,6 +140,31 @@ def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str)
         "archive": {"name": out_path.name, "format": fmt, "size": sink.size, "sha256": sink.digest.hexdigest(),
                     "root": root},
     }
+
+
+# -- verification ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VerifiedBuild:
+    """A directory whose files were hashed against a manifest, and their file-system stamps at that moment.
+
+    Backends load only these; ``recheck`` (cheap: ``stat`` only) refuses a file that changed since it was hashed.
+    """
+
+    directory: Path
+    members: tuple[dict, ...]
+    stamps: tuple[tuple[str, int, int, int], ...]  # (name, size, mtime_ns, inode)
+
+    def recheck(self) -> None:
+        for name, size, mtime_ns, inode in self.stamps:
+            st = (self.directory / name).stat()
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime_ns, inode):
+                raise IntegrityError(f"{self.directory / name} changed after it was verified: refusing to load it")
+
+
+def _stamp(directory: Path, name: str) -> tuple[str, int, int, int]:
+    st = (directory / name).stat()
+    return name, st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
@@ -110,6 +177,20 @@ def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
         raise IntegrityError(f"{what} {path} has sha256 {actual}, the manifest says {sha256}: it is corrupt or "
                              "was tampered with; fetch it again")
 
+
+def verify_build(directory: Path, members: list[dict]) -> VerifiedBuild:
+    """Hash an existing rank directory against ``members``; it must hold exactly those files."""
+    directory = Path(directory)
+    found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    expected = sorted(m["path"] for m in members)
+    if found != expected:
+        raise IntegrityError(f"{directory} holds {found}, expected exactly {expected}")
+    for m in members:
+        verify_file(directory / m["path"], m["size"], m["sha256"], "rank file")
+    return VerifiedBuild(directory, tuple(members), tuple(_stamp(directory, m["path"]) for m in members))
+
+
+# -- extraction -----------------------------------------------------------------------------------------------------
 
 def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, dict]) -> str:
     """The member file name of ``info``, or raise: only ``root/`` and ``root/<allowed>`` regular files pass."""
@@ -136,48 +217,59 @@ def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, dict]) -> 
     return parts[1]
 
 
-def extract_verified(archive: Path, manifest: dict, dest: Path) -> Path:
+def _decompressed(fmt: str, raw: BinaryIO):
+    if fmt == "tar.zst":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_size=READ_CHUNK, closefd=False)
+    if fmt == "tar.gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if fmt == "tar":
+        return raw
+    raise IntegrityError(f"archive format {fmt!r} is not one of {list(FORMATS)}")
+
+
+def extract_verified(archive: Path, manifest: dict, dest: Path) -> VerifiedBuild:
     """Verify ``archive`` against ``manifest`` and unpack its rank files into ``dest`` (a new directory).
 
     ``dest`` ends up holding exactly the manifest's members, each with its manifest sha256, or does not change.
     """
     spec = manifest["archive"]
     verify_file(archive, spec["size"], spec["sha256"], "archive")
+    if dest.exists():
+        raise IntegrityError(f"refusing to unpack into existing {dest}: choose a new directory")
     allowed = {m["path"]: m for m in manifest["members"]}
-    root = spec["root"]
     tmp = temp_dir_beside(dest)
     try:
         seen: set[str] = set()
-        mode = "r|gz" if spec["format"] == "tar.gz" else "r|"
         try:
-            with tarfile.open(archive, mode=mode) as tar:
+            with open(archive, "rb") as raw, tarfile.open(fileobj=_decompressed(spec["format"], raw), mode="r|",
+                                                          bufsize=READ_CHUNK) as tar:
                 for info in tar:
-                    member = _member_name(info, root, allowed)
+                    member = _member_name(info, spec["root"], allowed)
                     if not member:
                         continue
                     if member in seen:
                         raise IntegrityError(f"archive member {info.name!r} appears twice")
                     seen.add(member)
                     _write_member(tar, info, tmp / member, allowed[member])
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
             raise IntegrityError(f"archive {archive} cannot be read: {exc}") from None
         missing = sorted(set(allowed) - seen)
         if missing:
             raise IntegrityError(f"archive {archive} lacks members {missing}")
-        if dest.exists():
-            raise IntegrityError(f"refusing to replace existing {dest}: unpack into a new directory")
         os.replace(tmp, dest)
-        return dest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return VerifiedBuild(dest, tuple(manifest["members"]), tuple(_stamp(dest, m) for m in sorted(allowed)))
 
 
 def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, path: Path, expected: dict) -> None:
     source = tar.extractfile(info)
     digest, size = hashlib.sha256(), 0
     with open(path, "xb") as out:
-        while chunk := source.read(CHUNK):
+        while chunk := source.read(READ_CHUNK):
             size += len(chunk)
             if size > expected["size"]:
                 raise IntegrityError(f"archive member {info.name!r} runs past its manifest size {expected['size']}")

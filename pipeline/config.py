@@ -24,7 +24,7 @@ SHARED_STAGES = ("toolchain", "model", "reference")  # need no variant
 BACKENDS = ("auto", "cpu", "neuron")
 MODEL_SOURCES = ("tiny", "hub")
 PUBLISH_TARGETS = ("local", "hub")
-ARCHIVE_FORMATS = ("tar", "tar.gz")
+ARCHIVE_FORMATS = ("tar.zst", "tar.gz", "tar")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -174,8 +174,30 @@ class ValidateConfig:
 
 
 @dataclass
+class SigningConfig:
+    private_key: str | None = None
+    """PEM elliptic-curve key: the manifest is signed at package time (and the published one at publish)."""
+    public_key: str | None = None
+    """PEM public key checked at validate (derived from private_key when unset)."""
+    allow_unsigned: bool = False
+    """Accept artifacts no key can verify. Only for local experiments: a release sets the keys."""
+
+    def verifying_key(self) -> str | bytes | None:
+        if self.public_key:
+            return self.public_key
+        if self.private_key:
+            from pipeline.signing import public_key_pem
+
+            return public_key_pem(self.private_key)
+        return None
+
+
+@dataclass
 class PackageConfig:
-    format: str = "tar.gz"
+    format: str = "tar.zst"
+    threads: int = 0
+    """zstd worker threads (0: one per core). The archive's bytes do not depend on it."""
+    signing: SigningConfig = field(default_factory=SigningConfig)
 
 
 @dataclass
@@ -326,10 +348,31 @@ def problems(cfg: PipelineConfig) -> list[str]:
             found.append(f"validate.parity.logits.tol_map.{key}={list(pair)} must be [atol, rtol], both >= 0")
 
     found += _choice("package.format", cfg.package.format, ARCHIVE_FORMATS)
+    if cfg.package.threads < 0:
+        found.append(f"package.threads={cfg.package.threads} must be 0 (one per core) or positive")
+    found += signing_problems(cfg)
     found += _choice("publish.target", cfg.publish.target, PUBLISH_TARGETS)
     if not REPO_ID_RE.match(cfg.publish.repo_id or ""):
         found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name'")
     found += _choice("stage", cfg.stage, ("all",) + STAGES)
+    return found
+
+
+def signing_problems(cfg: PipelineConfig) -> list[str]:
+    from pipeline.signing import key_problem
+
+    sig = cfg.package.signing
+    found = [p for p in (
+        key_problem(sig.private_key, "private", "package.signing.private_key") if sig.private_key else None,
+        key_problem(sig.public_key, "public", "package.signing.public_key") if sig.public_key else None,
+    ) if p]
+    if not sig.allow_unsigned:
+        if cfg.stage in ("all", "package", "publish") and not sig.private_key:
+            found.append(f"package.signing.allow_unsigned=false but package.signing.private_key is not set: stage "
+                         f"{cfg.stage!r} signs; give the key, or set allow_unsigned=true")
+        elif cfg.stage == "validate" and not (sig.private_key or sig.public_key):
+            found.append("package.signing.allow_unsigned=false but no key is set: give package.signing.public_key "
+                         "to verify, or set allow_unsigned=true")
     return found
 
 

@@ -46,12 +46,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _default_mode() -> int:
+    """What ``open()`` would have given a new file (mkstemp makes it 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TMP_MARK}")
     try:
+        os.fchmod(fd, _default_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -29,12 +29,21 @@ def build(tiny_dir: Path, out: Path, shape: BuildShape) -> dict:
     return BACKEND.trace(TraceRequest(CheckpointRef(tiny_dir, "model."), shape), out)
 
 
+def verified(build_dir: Path):
+    """The rank files, hashed as the trace recorded them (what a server gets after verifying an archive)."""
+    from pipeline.archive import verify_build
+    from pipeline.fsutil import sha256_file
+
+    members = [{"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)} for p in build_dir.iterdir()]
+    return verify_build(build_dir, members)
+
+
 def run(weights_dir: Path, build_dir: Path, shape: BuildShape, prompts, forced=None):
     """Greedy (or teacher-forced) generations of every prompt from a build, through the serving loop."""
     spec = load_spec(weights_dir)
     with Checkpoint(weights_dir, "model.") as ckpt:
         host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
-        with BACKEND.load(build_dir, shape) as runner:
+        with BACKEND.load(verified(build_dir), shape) as runner:
             gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
             return [gen.generate(ids, NEW_TOKENS, forced=None if forced is None else forced[i])
                     for i, ids in enumerate(prompts)]

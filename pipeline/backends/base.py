@@ -105,7 +105,8 @@ class Backend(Protocol):
     def trace(self, request: TraceRequest, out_dir: Path) -> dict:
         """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
 
-    def load(self, build_dir: Path, shape: BuildShape) -> RankRunner: ...
+    def load(self, build, shape: BuildShape) -> RankRunner:
+        """Load a ``pipeline.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""
 
 
 def rank_members(tp_degree: int) -> list[str]:

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.archive import VerifiedBuild
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
-from pipeline.errors import BuildError
+from pipeline.errors import BuildError, IntegrityError
 from pipeline.fsutil import sha256_file, staged_dir
 from pipeline.procinfo import peak_rss_bytes
 
@@ -110,8 +111,10 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
     }
 
 
-def _serve_rank(rank: int, build_dir: str, conn) -> None:
-    module = torch.jit.load(str(Path(build_dir) / f"tp_{rank}.pt"))
+def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
+    # Loading TorchScript runs code: only files verified against the manifest, unchanged since (stat check).
+    build.recheck()
+    module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     conn.send(("ready", {"rank": rank, "peak_rss_bytes": peak_rss_bytes()}))
     while True:
@@ -268,15 +271,20 @@ class CpuBackend:
             **self.compiler_info(),
         }
 
-    def load(self, build_dir: Path, shape: BuildShape) -> CpuRunner:
-        return CpuRunner(Path(build_dir), shape)
+    def load(self, build: VerifiedBuild, shape: BuildShape) -> CpuRunner:
+        if not isinstance(build, VerifiedBuild):
+            raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
+        return CpuRunner(build, shape)
 
 
 class CpuRunner(RankRunner):
-    def __init__(self, build_dir: Path, shape: BuildShape):
+    def __init__(self, build: VerifiedBuild, shape: BuildShape):
         self.shape = shape
         started = time.monotonic()
-        self.group = RankGroup(shape.tp_degree, ("serve", str(build_dir)))
+        if sorted(m["path"] for m in build.members) != sorted(rank_members(shape.tp_degree)):
+            raise IntegrityError(f"{build.directory} holds {[m['path'] for m in build.members]}, a tp_degree "
+                                 f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
+        self.group = RankGroup(shape.tp_degree, ("serve", build))
         self.ready = self.group.receive_all(timeout=600)
         self.load_s = time.monotonic() - started
         self.compute_s: list[float] = []  # rank 0's time inside the graph, per call

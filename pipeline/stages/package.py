@@ -1,16 +1,17 @@
 """Stage 5, package: a deterministic archive of the rank directory, with its manifest.
 
 Writes ``artifacts/<model>/<variant>/dist/``: ``<model>-<version>.<format>`` (unpacks to one directory,
-``<model>-<version>/``, holding only the rank files) and ``manifest.json`` (schema version; model id, revision and
+``<model>-<version>/``, holding only the rank files), ``manifest.json`` (schema version; model id, revision and
 config digest; the variant; backend, compiler and exact compiler arguments; toolchain; each member's path, size and
-sha256; the archive's name, size and sha256; the input fingerprint). Same inputs, same bytes.
+sha256; the archive's name, size and sha256; the input fingerprint) and, with a signing key, ``manifest.sig``.
+Same inputs, same bytes. A build directory holding anything but its rank files is refused.
 """
 
 from __future__ import annotations
 
 import time
 
-from pipeline import __version__
+from pipeline import __version__, signing
 from pipeline import archive as archive_mod
 from pipeline import manifest as manifest_mod
 from pipeline.config import PipelineConfig
@@ -34,7 +35,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     version = version_name(cfg.variant.name, build["compiler"]["id"])
     root = f"{cfg.model.name}-{version}"
     fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
-                      "created_by": __version__})
+                      "created_by": __version__, "signed": bool(cfg.package.signing.private_key)})
     if not cfg.force and is_fresh(paths.manifest, fp):
         manifest = manifest_mod.load(paths.manifest)
         # Up to date only if it packs exactly the rank files the build records now.
@@ -51,7 +52,8 @@ def run(cfg: PipelineConfig) -> StageResult:
                              "remove the stray files or rerun stage=trace force=true")
     with staged_dir(paths.dist) as tmp:
         out = tmp / f"{root}{archive_mod.SUFFIX[cfg.package.format]}"
-        packed = archive_mod.pack(paths.build, [m["path"] for m in build["members"]], root, out, cfg.package.format)
+        packed = archive_mod.pack(paths.build, [m["path"] for m in build["members"]], root, out, cfg.package.format,
+                                  cfg.package.threads)
         if packed["members"] != build["members"]:
             raise IntegrityError(f"{paths.build} changed while it was being packed: rerun stage=package")
         manifest_mod.write(tmp / "manifest.json", {
@@ -68,8 +70,13 @@ def run(cfg: PipelineConfig) -> StageResult:
             "archive": packed["archive"],
             "created_by": f"gemma4-neuron-pipeline {__version__}",
         })
-    log.info("package: %s -> %s (%.1f MB, sha256 %s)", cfg.variant.name, packed["archive"]["name"],
-             packed["archive"]["size"] / 1e6, packed["archive"]["sha256"][:12])
+        if cfg.package.signing.private_key:
+            signing.sign(tmp, out.name, cfg.package.signing.private_key)
+    size_in = sum(m["size"] for m in packed["members"])
+    took = time.monotonic() - started
+    log.info("package: %s -> %s (%.1f MB of %.1f MB, %.0f MB/s, sha256 %s, %s)", cfg.variant.name,
+             packed["archive"]["name"], packed["archive"]["size"] / 1e6, size_in / 1e6, size_in / 1e6 / max(took, 1e-9),
+             packed["archive"]["sha256"][:12], "signed" if cfg.package.signing.private_key else "unsigned")
     return StageResult("package", "ran", time.monotonic() - started)
 
 

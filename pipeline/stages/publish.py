@@ -1,5 +1,5 @@
-"""Stage 7, publish: push a validated version (archive, manifest, metrics, regenerated model card) as one commit,
-tagged ``<variant>-<compiler>``.
+"""Stage 7, publish: push a validated version (archive, manifest and its signature, metrics, regenerated model card)
+as one commit, tagged ``<variant>-<compiler>``.
 
 Only a validated artifact goes out: its metrics must carry a passing parity result for exactly this archive, and
 the archive's checksum is verified again just before it is sent. Publishing is idempotent: the same fingerprint
@@ -12,11 +12,13 @@ Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
 from filelock import FileLock
 
+from pipeline import signing
 from pipeline.archive import verify_file
 from pipeline.card import render
 from pipeline.config import PipelineConfig
@@ -54,10 +56,20 @@ def published_manifest(manifest: dict, summary: dict) -> dict:
     return check_manifest(manifest | {"validation": summary})
 
 
-def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict) -> dict[str, Path | bytes]:
-    dump = lambda obj: (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()  # noqa: E731
-    return {f"{variant}/{archive.name}": archive, f"{variant}/manifest.json": dump(manifest),
-            f"{variant}/metrics.json": dump(metrics)}
+def dump(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict, private_key: str | None) -> dict:
+    """The version's files in the repo layout; the published manifest is signed again (it now carries the
+    validation summary), so that pull can verify it."""
+    files = {f"{variant}/{archive.name}": archive, f"{variant}/manifest.json": dump(manifest),
+             f"{variant}/metrics.json": dump(metrics)}
+    if private_key:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / signing.MANIFEST).write_bytes(files[f"{variant}/manifest.json"])
+            files[f"{variant}/{signing.SIGNATURE}"] = signing.sign(Path(tmp), archive.name, private_key).read_bytes()
+    return files
 
 
 def publish_local(repo: LocalRepo, version: str, variant: str, files: dict, manifest: dict, repo_id: str,
@@ -90,10 +102,12 @@ def run(cfg: PipelineConfig) -> StageResult:
     metrics, report = validate_stage.load(cfg), validate_stage.load_report(cfg)
     require_validated(manifest, metrics, report, cfg.variant.name)
     archive = paths.dist / manifest["archive"]["name"]
+    sig = cfg.package.signing
+    signing.check(paths.dist, archive.name, sig.verifying_key(), sig.allow_unsigned, f"the artifact in {paths.dist}")
     verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
     final = published_manifest(manifest, validation_summary(metrics, report))
     version = manifest["version"]
-    files = repo_files(cfg.variant.name, archive, final, metrics)
+    files = repo_files(cfg.variant.name, archive, final, metrics, sig.private_key)
     started = time.monotonic()
     if cfg.publish.target == "local":
         repo_dir = paths.root / cfg.publish.local_dir

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline import signing
 from pipeline.backends.base import BuildShape
 from pipeline.config import PipelineConfig
 from pipeline.errors import IntegrityError, ParityError, PipelineError, ThroughputError
@@ -38,8 +39,10 @@ from pipeline.validation import select_prompts
 
 def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) -> str:
     return fingerprint({
-        "archive": manifest["archive"]["sha256"],
+        "manifest": fingerprint(manifest),  # the whole manifest: members, variant, compiler, archive
         "reference": reference["fingerprint"],
+        "signing": {"public_key": cfg.package.signing.public_key, "private_key": cfg.package.signing.private_key,
+                    "allow_unsigned": cfg.package.signing.allow_unsigned},
         "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity),
                      "throughput": asdict(cfg.validate.throughput), "prompt_names": cfg.validate.prompt_names},
         "hardware": cfg.hardware.name,
@@ -135,6 +138,10 @@ def run(cfg: PipelineConfig) -> StageResult:
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
     chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
                                       cfg.validate.prompt_names)
+    sig = cfg.package.signing
+    accepted = signing.check(paths.dist, manifest["archive"]["name"], sig.verifying_key(), sig.allow_unsigned,
+                             f"the artifact in {paths.dist}")
+    log.info("validate: %s signature %s", cfg.variant.name, accepted)
     started = time.monotonic()
     job = {
         "manifest": manifest,
@@ -166,7 +173,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     })
     atomic_write_json(paths.validation_report, {
         "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
-        "backend": manifest["backend"], "hardware": cfg.hardware.name, "coverage": coverage,
+        "backend": manifest["backend"], "hardware": cfg.hardware.name, "coverage": coverage, "signature": accepted,
         "throughput_gate": gate, "prompts": measured["report"],
     })
     atomic_write_json(paths.plot_rows, [

@@ -1,0 +1,145 @@
+"""``python -m pipeline pull SOURCE VERSION``: fetch a published version, verify it, unpack it for serving.
+
+SOURCE is a local publish folder (``publish=local``'s git repository) or a Hugging Face repo id. The version's tag
+is resolved to a commit once, and every file is fetched at that commit, so a tag moved meanwhile cannot mix two
+versions. The manifest is schema-checked and (with ``--public-key``) its signature verified; the archive's sha256 and
+every member's are checked; the rank files are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing
+else, ready for neuronx-distributed's ``parallel_model_load``. Its path is printed on standard output.
+
+    python -m pipeline pull artifacts/published 512_bf16-cpu-torch2.13.0 --dest /workspace
+    python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0 --dest /workspace \\
+        --public-key signing-key.pub.pem
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from pipeline import manifest as manifest_mod
+from pipeline import signing
+from pipeline.archive import extract_verified, verify_build
+from pipeline.errors import IntegrityError, PipelineError
+from pipeline.fsutil import temp_dir_beside
+from pipeline.localrepo import LocalRepo
+
+log = logging.getLogger("pipeline")
+
+
+class LocalSource:
+    """A ``publish=local`` folder (a git repository)."""
+
+    def __init__(self, path: Path):
+        self.repo = LocalRepo(path)
+        self.name = str(path)
+
+    def resolve(self, version: str) -> str:
+        commit = self.repo.tag_commit(version)
+        if commit is None:
+            raise PipelineError(f"{self.name} has no version {version!r}; it has {sorted(self.repo.tags())}")
+        return commit
+
+    def files(self, commit: str) -> list[str]:
+        return self.repo.list_files(commit)
+
+    def fetch(self, commit: str, path: str, dest: Path) -> None:
+        self.repo.checkout_file(commit, path, dest)
+
+
+class HubSource:
+    """A Hugging Face model repo (token from HF_TOKEN or the login cache, for private repos)."""
+
+    def __init__(self, repo_id: str):
+        from huggingface_hub import HfApi
+
+        self.api, self.repo_id, self.name = HfApi(), repo_id, repo_id
+
+    def resolve(self, version: str) -> str:
+        refs = self.api.list_repo_refs(self.repo_id)
+        for tag in refs.tags:
+            if tag.name == version:
+                return tag.target_commit
+        raise PipelineError(f"{self.repo_id} has no version {version!r}; it has {sorted(t.name for t in refs.tags)}")
+
+    def files(self, commit: str) -> list[str]:
+        return self.api.list_repo_files(self.repo_id, revision=commit)
+
+    def fetch(self, commit: str, path: str, dest: Path) -> None:
+        from huggingface_hub import hf_hub_download
+
+        got = Path(hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
+        shutil.move(got, dest)
+
+
+def source_for(spec: str):
+    path = Path(spec)
+    return LocalSource(path) if path.exists() else HubSource(spec)
+
+
+def variant_folder(files: list[str], version: str) -> str:
+    """The folder holding ``version``: versions are ``<variant>-<compiler>`` and live under ``<variant>/``."""
+    folders = {f.split("/")[0] for f in files if f.endswith("/manifest.json")}
+    matches = [v for v in folders if version.startswith(v + "-")]
+    if len(matches) != 1:
+        raise PipelineError(f"version {version!r} matches no single variant folder among {sorted(folders)}")
+    return matches[0]
+
+
+def pull(source, version: str, dest: Path, public_key: str | None, allow_unsigned: bool) -> Path:
+    commit = source.resolve(version)  # once: every file below comes from this commit
+    files = source.files(commit)
+    folder = variant_folder(files, version)
+    dest.mkdir(parents=True, exist_ok=True)
+    work = temp_dir_beside(dest / ".pull")
+    try:
+        source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")
+        manifest = manifest_mod.load(work / "manifest.json")
+        if manifest["version"] != version:
+            raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest['version']!r}, "
+                                 f"not {version!r}")
+        if f"{folder}/{signing.SIGNATURE}" in files:
+            source.fetch(commit, f"{folder}/{signing.SIGNATURE}", work / signing.SIGNATURE)
+        archive_name = manifest["archive"]["name"]
+        accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
+        target = dest / manifest["archive"]["root"]
+        if target.exists():
+            verify_build(target, manifest["members"])  # already there: only if it is exactly this version
+            log.info("pull: %s is already in %s and verifies", version, target)
+            return target
+        source.fetch(commit, f"{folder}/{archive_name}", work / archive_name)
+        extract_verified(work / archive_name, manifest, target)
+        log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
+        return target
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline pull", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
+    parser.add_argument("version", help="a published version, <variant>-<compiler>")
+    parser.add_argument("--dest", type=Path, default=Path("."), help="where the rank directory is created")
+    parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
+    parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    if args.public_key:
+        problem = signing.key_problem(args.public_key, "public", "--public-key")
+        if problem:
+            log.error("%s", problem)
+            return 1
+    try:
+        path = pull(source_for(args.source), args.version, args.dest.resolve(), args.public_key, args.allow_unsigned)
+    except PipelineError as exc:
+        log.error("%s", exc)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
