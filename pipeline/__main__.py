@@ -1,6 +1,7 @@
 """Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
 
-Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py).
+Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py) and
+``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py).
 
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -71,7 +72,13 @@ def _pull(argv: list[str]) -> int:
     return pull_main(argv)
 
 
-SUBCOMMANDS = {"pull": _pull}
+def _generate(argv: list[str]) -> int:
+    from pipeline.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+SUBCOMMANDS = {"pull": _pull, "generate": _generate}
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ def render(manifests: list[dict], repo_id: str) -> str:
     base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None) or BASE_MODEL
     rows = "\n".join(_row(m) for m in manifests)
     example = manifests[-1] if manifests else None
-    pull = (f"python -m pipeline pull --repo {repo_id} --version {example['version']} --dest /workspace"
-            if example else "python -m pipeline pull --repo REPO --version VERSION --dest /workspace")
+    version = example["version"] if example else "VERSION"
+    root = example["archive"]["root"] if example else "MODEL-VERSION"
     return f"""---
 license: apache-2.0
 base_model: {base}
@@ -65,14 +65,19 @@ backend, not from Inferentia2.
 
 ## Use a version
 
+With a checkout of the pipeline (on an inf2 host, with its `[neuron]` extra) and the base checkpoint, which supplies
+the tokenizer and the embedding tables the host looks up:
+
 ```bash
-pip install gemma4-neuron-pipeline   # or a checkout of the pipeline
-{pull}
+python -m pipeline pull {repo_id} {version} --dest /workspace --public-key signing-key.pub.pem
+python -m pipeline generate /workspace/{root} --checkpoint /data/gemma-4-E4B-it \\
+    --prompt "What is the capital of France?"
 ```
 
-`pull` resolves the tag to a commit once, downloads the archive and manifest at that commit, verifies every
-checksum, unpacks the rank files into a directory holding nothing else and prints its path: point
-neuronx-distributed's loader (`parallel_model_load`) at it.
+`pull` resolves the tag to a commit once, downloads the manifest, its signature and the archive at that commit,
+verifies every checksum (and the signature), unpacks the rank files into a directory holding nothing else and prints
+its path; neuronx-distributed's loader can load that directory as it is. `generate` verifies it again against the
+manifest beside it and runs it. Pin the commit, not the tag, if you copy files by hand: tags can be moved.
 
 ## License
 

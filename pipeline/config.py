@@ -208,6 +208,10 @@ class PublishConfig:
     """For ``target=local``: the folder laid out as the Hub repo would be (relative to ``artifacts_dir``)."""
     private: bool = True
     overwrite: bool = False
+    retries: int = 5
+    """Attempts of the publish step on conflicts (409/412) and transient failures (5xx, connection errors)."""
+    retry_base_s: float = 1.0
+    retry_max_s: float = 30.0
 
 
 @dataclass
@@ -352,8 +356,12 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found.append(f"package.threads={cfg.package.threads} must be 0 (one per core) or positive")
     found += signing_problems(cfg)
     found += _choice("publish.target", cfg.publish.target, PUBLISH_TARGETS)
-    if not REPO_ID_RE.match(cfg.publish.repo_id or ""):
-        found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name'")
+    if not REPO_ID_RE.match(cfg.publish.repo_id or "") or len(cfg.publish.repo_id) > 96:
+        found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name' (letters, "
+                     "digits, '-', '_', '.')")
+    if cfg.publish.retries < 1 or cfg.publish.retry_base_s < 0 or cfg.publish.retry_max_s < cfg.publish.retry_base_s:
+        found.append(f"publish.retries={cfg.publish.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
+                     f"(got {cfg.publish.retry_base_s}, {cfg.publish.retry_max_s})")
     found += _choice("stage", cfg.stage, ("all",) + STAGES)
     return found
 

@@ -53,12 +53,17 @@ class LocalRepo:
         proc = self.git("show", f"{revision}:{path}", check=False, binary=True)
         return proc.stdout if proc.returncode == 0 else None
 
-    def list_files(self, revision: str = "HEAD") -> list[str]:
+    def list_files(self, revision: str) -> list[str]:
         return self.git("ls-tree", "-r", "--name-only", revision).stdout.splitlines()
 
-    def commit(self, files: dict[str, Path | bytes], message: str) -> str:
-        """Write ``files`` (repo path -> source file or bytes) into the work tree and commit them as one commit."""
+    def commit(self, files: dict[str, Path | bytes], deletions: list[str], message: str, parent: str) -> str:
+        """Write ``files`` (repo path -> source file or bytes), remove ``deletions``, and commit it all as one commit
+        on top of ``parent``. Returns the new head (the old one when nothing changed: no empty commit)."""
         self.git("checkout", "-q", "main")
+        if self.head() != parent:
+            raise PublishError(f"{self.path} moved from {parent[:12]} while preparing the commit")
+        for rel in deletions:
+            self.git("rm", "-q", "--", rel)
         for rel, source in files.items():
             target = self.path / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +73,12 @@ class LocalRepo:
                 shutil.copyfile(source, target)
             self.git("add", "--", rel)
         if not self.git("status", "--porcelain").stdout.strip():
-            return self.head()  # nothing changed: no empty commit
+            return self.head()
         self.git("commit", "-q", "-m", message)
         return self.head()
 
-    def create_tag(self, tag: str, commit: str, force: bool = False) -> None:
-        self.git("tag", *(["-f"] if force else []), tag, commit)
+    def tag(self, name: str, commit: str, replace: bool = False) -> None:
+        self.git("tag", *(["-f"] if replace else []), name, commit)
 
     def checkout_file(self, revision: str, path: str, dest: Path) -> None:
         """Stream one file of ``revision`` to ``dest`` (archives can be many GB: never held in memory)."""

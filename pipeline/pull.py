@@ -53,9 +53,11 @@ class HubSource:
     """A Hugging Face model repo (token from HF_TOKEN or the login cache, for private repos)."""
 
     def __init__(self, repo_id: str):
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, get_token
 
-        self.api, self.repo_id, self.name = HfApi(), repo_id, repo_id
+        from pipeline.hub import endpoint
+
+        self.api, self.repo_id, self.name = HfApi(endpoint=endpoint(), token=get_token()), repo_id, repo_id
 
     def resolve(self, version: str) -> str:
         refs = self.api.list_repo_refs(self.repo_id)
@@ -68,10 +70,13 @@ class HubSource:
         return self.api.list_repo_files(self.repo_id, revision=commit)
 
     def fetch(self, commit: str, path: str, dest: Path) -> None:
-        from huggingface_hub import hf_hub_download
-
-        got = Path(hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
+        # The client checks only the size of what it downloads; pull verifies every checksum afterwards.
+        got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
         shutil.move(got, dest)
+
+
+def manifest_beside(rank_dir: Path) -> Path:
+    return rank_dir.with_name(rank_dir.name + ".manifest.json")
 
 
 def source_for(spec: str):
@@ -108,10 +113,12 @@ def pull(source, version: str, dest: Path, public_key: str | None, allow_unsigne
         if target.exists():
             verify_build(target, manifest["members"])  # already there: only if it is exactly this version
             log.info("pull: %s is already in %s and verifies", version, target)
-            return target
-        source.fetch(commit, f"{folder}/{archive_name}", work / archive_name)
-        extract_verified(work / archive_name, manifest, target)
-        log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
+        else:
+            source.fetch(commit, f"{folder}/{archive_name}", work / archive_name)
+            extract_verified(work / archive_name, manifest, target)
+            log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
+        # Beside the rank directory, never in it: neuronx-distributed's loader loads every file there.
+        manifest_mod.write(manifest_beside(target), manifest)
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -348,7 +348,8 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
     assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
     again = pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key", keys[1])
     assert again.returncode == 0 and Path(again.stdout.strip()) == path  # idempotent
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no downloads left behind
+    # No downloads left behind; the manifest sits beside the rank directory, not in it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".manifest.json"]
 
 
 def test_pull_refuses_wrong_keys_unknown_versions_and_foreign_directories(signed_project, tmp_path, keys):
@@ -373,6 +374,21 @@ def test_pull_through_python_rejects_a_tag_to_the_wrong_manifest(signed_project,
 
     source = LocalSource(signed_project / "published")
     commit = source.resolve("512_fp32-cpu-torch2.13.0")
-    source.repo.create_tag("512_fp32-cpu-torch9.9.9", commit)  # a tag that does not name what it points at
+    source.repo.tag("512_fp32-cpu-torch9.9.9", commit)  # a tag that does not name what it points at
     with pytest.raises(PipelineError, match="describes '512_fp32-cpu-torch2.13.0', not '512_fp32-cpu-torch9.9.9'"):
         pull(source, "512_fp32-cpu-torch9.9.9", tmp_path, keys[1], False)
+
+
+def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_project, tmp_path, keys):
+    version = "512_fp32-cpu-torch2.13.0"
+    pulled = Path(pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key",
+                           keys[1]).stdout.strip())
+    weights = signed_project / "gemma4_tiny" / "weights"
+    generate = [sys.executable, "-m", "pipeline", "generate", str(pulled), "--checkpoint", str(weights),
+                "--prompt", "What is the capital of France?", "--max-new-tokens", "8"]
+    ok = subprocess.run(generate, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "26 prompt tokens, 8 new tokens" in ok.stderr
+    (pulled / "tp_1.pt").write_bytes(b"tampered")
+    bad = subprocess.run(generate, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "rank file" in bad.stderr and "the manifest says" in bad.stderr

@@ -1,10 +1,15 @@
-"""Stage 7, publish: push a validated version (archive, manifest and its signature, metrics, regenerated model card)
-as one commit, tagged ``<variant>-<compiler>``.
+"""Stage 7, publish: push a validated version as one commit, tagged ``<variant>-<compiler>``.
 
-Only a validated artifact goes out: its metrics must carry a passing parity result for exactly this archive, and
-the archive's checksum is verified again just before it is sent. Publishing is idempotent: the same fingerprint
-already published under the version makes no commit and no tag; a different build under an existing version is
-refused unless ``publish.overwrite=true``.
+The commit carries ``<variant>/<archive>``, ``<variant>/manifest.json`` (with the validation summary, and its
+signature ``manifest.sig`` when a key is set), ``<variant>/metrics.json`` and the root ``README.md``, the model card,
+regenerated from every version already published plus this one, so it never forgets older versions. Anything else in
+the variant's folder (an older version's archive) leaves the head in the same commit; tags keep every version.
+
+Only a validated artifact goes out: its validation must have passed every gate for exactly this archive, and the
+archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version
+already published with the same fingerprint makes no commit and no tag; a different build under an existing version
+is refused unless ``publish.overwrite=true``. Targets: ``local`` (a git repository laid out as the Hub repo) and
+``hub`` (pipeline/hub.py).
 
 Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, version, commit, tag, fingerprint).
 """
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from filelock import FileLock
@@ -72,27 +76,52 @@ def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict, priva
     return files
 
 
-def publish_local(repo: LocalRepo, version: str, variant: str, files: dict, manifest: dict, repo_id: str,
-                  overwrite: bool) -> dict:
-    """One commit and one tag per version in a local git repository; idempotent on the manifest fingerprint."""
-    repo.ensure()
-    existing = repo.tag_commit(version)
-    if existing:
-        raw = repo.read(existing, f"{variant}/manifest.json")
+def folder_of(version: str, folders: set[str]) -> str | None:
+    """The variant folder of a version (``<variant>-<compiler>`` lives under ``<variant>/``)."""
+    matches = [f for f in folders if version.startswith(f + "-")]
+    return max(matches, key=len) if matches else None
+
+
+def published_manifests(target, exclude: str) -> list[dict]:
+    """The manifest of every tagged version, read at its tag: the model card lists them all."""
+    out = []
+    for tag, commit in sorted(target.tags().items()):
+        if tag == exclude:
+            continue
+        files = target.list_files(commit)
+        folder = folder_of(tag, {f.split("/")[0] for f in files if f.endswith("/manifest.json")})
+        raw = target.read(commit, f"{folder}/manifest.json") if folder else None
+        if raw:
+            manifest = json.loads(raw)
+            if manifest.get("version") == tag:
+                out.append(manifest)
+    return out
+
+
+def publish_version(target, version: str, variant: str, files: dict, manifest: dict, repo_id: str,
+                    overwrite: bool) -> dict:
+    """Publish ``files`` as one commit tagged ``version`` on ``target``; idempotent on the manifest fingerprint.
+
+    Returns ``{"commit": oid, "created": bool}``.
+    """
+    target.ensure()
+    tags = target.tags()
+    if version in tags:
+        raw = target.read(tags[version], f"{variant}/manifest.json")
         theirs = json.loads(raw) if raw else {}
         if theirs.get("fingerprint") == manifest["fingerprint"]:
-            log.info("publish: %s is already published at %s (same fingerprint): nothing to do", version, existing[:12])
-            return {"commit": existing, "created": False}
+            log.info("publish: %s is already published at %s (same fingerprint): nothing to do", version,
+                     tags[version][:12])
+            return {"commit": tags[version], "created": False}
         if not overwrite:
-            raise PublishError(f"version {version} is already published (commit {existing[:12]}) from a different "
-                               "build: bump the variant or compiler, or pass publish.overwrite=true to replace it")
-    others = []
-    for path in repo.list_files():
-        if path.endswith("/manifest.json") and not path.startswith(f"{variant}/"):
-            others.append(json.loads(repo.read("HEAD", path)))
-    files = dict(files, **{"README.md": render(others + [manifest], repo_id).encode()})
-    commit = repo.commit(files, f"Publish {version}")
-    repo.create_tag(version, commit, force=bool(existing))
+            raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) from a "
+                               "different build: bump the variant or compiler, or pass publish.overwrite=true to "
+                               "replace it")
+    head = target.head()
+    card = render(published_manifests(target, version) + [manifest], repo_id).encode()
+    stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
+    commit = target.commit({**files, "README.md": card}, stale, f"Publish {version}", head)
+    target.tag(version, commit, replace=version in tags)
     return {"commit": commit, "created": True}
 
 
@@ -108,23 +137,26 @@ def run(cfg: PipelineConfig) -> StageResult:
     final = published_manifest(manifest, validation_summary(metrics, report))
     version = manifest["version"]
     files = repo_files(cfg.variant.name, archive, final, metrics, sig.private_key)
-    started = time.monotonic()
-    if cfg.publish.target == "local":
-        repo_dir = paths.root / cfg.publish.local_dir
+    pub = cfg.publish
+    if pub.target == "local":
+        repo_dir = paths.root / pub.local_dir
         repo_dir.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
-            result = publish_local(LocalRepo(repo_dir), version, cfg.variant.name, files, final,
-                                   cfg.publish.repo_id, cfg.publish.overwrite)
+            result = publish_version(LocalRepo(repo_dir), version, cfg.variant.name, files, final, pub.repo_id,
+                                     pub.overwrite)
         where = str(repo_dir.resolve())
     else:
         from pipeline import hub
 
-        result = hub.publish(cfg, version, cfg.variant.name, files, final)
-        where = cfg.publish.repo_id
+        target = hub.HubTarget(pub.repo_id, pub.private)
+        result = hub.with_retries(
+            lambda: publish_version(target, version, cfg.variant.name, files, final, pub.repo_id, pub.overwrite),
+            f"publishing {version} to {pub.repo_id}", pub.retries, pub.retry_base_s, pub.retry_max_s)
+        where = pub.repo_id
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
-        "target": cfg.publish.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
+        "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
         "fingerprint": manifest["fingerprint"], "archive_sha256": manifest["archive"]["sha256"],
     })
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
              "new commit" if result["created"] else "already there")
-    return StageResult("publish", "ran", time.monotonic() - started, result)
+    return StageResult("publish", "ran", details=result)

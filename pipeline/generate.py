@@ -1,0 +1,87 @@
+"""``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT``: run a pulled version.
+
+Verifies the rank directory against the manifest beside it (``RANK_DIR.manifest.json``, written by ``pull``), loads
+the ranks through the backend that built them, and greedy-decodes a chat prompt with the host-side embeddings (and,
+for host-prefill variants, the host prefill) taken from the original checkpoint. Prints the reply on standard output
+and the timing on standard error.
+
+    python -m pipeline generate /workspace/gemma4_e4b-512_bf16-ncc2.23.6484.0 \\
+        --checkpoint /data/gemma-4-E4B-it --prompt "What is the capital of France?"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline import manifest as manifest_mod
+from pipeline.archive import verify_build
+from pipeline.backends import get_backend
+from pipeline.backends.base import BuildShape
+from pipeline.errors import PipelineError
+from pipeline.generation import Generator
+from pipeline.prompts import chat_ids
+from pipeline.pull import manifest_beside
+
+log = logging.getLogger("pipeline")
+
+
+def text_prefix_of(checkpoint: Path) -> str:
+    """Where the decoder's tensors live: the multimodal release nests them under ``model.language_model.``."""
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    return "model.language_model." if model_type == "gemma4" else "model."
+
+
+def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int, text_prefix: str | None) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.recipe.checkpoint import Checkpoint
+    from pipeline.recipe.host import HostEmbeddings, HostPrefill
+    from pipeline.recipe.spec import load_spec
+
+    manifest = manifest_mod.load(manifest_beside(rank_dir))
+    build = verify_build(rank_dir, manifest["members"])
+    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = chat_ids(tokenizer, prompt)
+    spec = load_spec(checkpoint)
+    with Checkpoint(checkpoint, text_prefix or text_prefix_of(checkpoint)) as ckpt:
+        ckpt.verify(spec)
+        host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
+        with get_backend(manifest["backend"]).load(build, shape) as runner:
+            gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+            out = gen.generate(ids, min(max_new_tokens, shape.kv_max - len(ids)))
+    tokens = [t for t in out.tokens if t not in spec.eos_token_ids]
+    decode_s = sum(out.decode_s)
+    return {"text": tokenizer.decode(tokens, skip_special_tokens=True), "prompt_tokens": len(ids),
+            "new_tokens": len(out.tokens), "ttft_ms": round(out.ttft_s * 1e3, 1),
+            "tokens_per_s": round(len(out.decode_s) / decode_s, 1) if decode_s else None}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rank_dir", type=Path, help="the directory pull printed")
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="the original checkpoint (tokenizer, config, embedding tables)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix)
+    except PipelineError as exc:
+        log.error("%s", exc)
+        return 1
+    print(result["text"])
+    log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result["prompt_tokens"],
+             result["new_tokens"], result["ttft_ms"], result["tokens_per_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,212 @@
+"""Publishing to (and pulling from) a Hugging Face Hub: the real huggingface_hub client against a Hub-compatible
+server on 127.0.0.1 (tests/hubserver.py), without Xet."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import PublishError
+from pipeline.fsutil import atomic_write_json, read_json, sha256_file
+from pipeline.paths import Paths
+
+from .helpers import FAST_VALIDATE, config, run
+from .hubserver import Hub
+
+REPO_ID = "tester/gemma4-tiny-inferentia2"
+VERSION = "512_fp32-cpu-torch2.13.0"
+
+
+@pytest.fixture(scope="module")
+def hub():
+    server = Hub().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def hub_env(hub, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the rest of the suite forbids the network
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at import
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # likewise: the server has no Xet
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no login cache, no shared download cache
+    import huggingface_hub.utils._http as http
+
+    monkeypatch.setattr(http.time, "sleep", lambda s: None)  # the client's own backoff, instant in tests
+    hub.faults.__init__()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """Two validated variants of the tiny model (not yet on any Hub)."""
+    root = tmp_path_factory.mktemp("hub") / "artifacts"
+    for variant in ("512_fp32", "256_bf16_host"):
+        run(config(root, *FAST_VALIDATE, variant=variant))  # every stage (publish goes to the local folder)
+    return root
+
+
+def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str):
+    return config(root, *FAST_VALIDATE, "publish=hub", f"publish.repo_id={REPO_ID}", "publish.retry_base_s=0.01",
+                  "publish.retry_max_s=0.02", *extra, variant=variant)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and "logs" not in p.parts and p.name != "publish.json"}
+
+
+def files_at(hub: Hub, revision: str) -> dict[str, bytes]:
+    return hub.repos[REPO_ID].resolve(revision).files
+
+
+def test_first_publish_is_one_commit_and_one_tag(hub, project):
+    cfg = hub_cfg(project)
+    run(cfg, "publish")
+    repo = hub.repos[REPO_ID]
+    assert repo.private is True
+    assert list(repo.tags) == [VERSION] and repo.tags[VERSION] == repo.main
+    files = files_at(hub, VERSION)
+    manifest = json.loads(files["512_fp32/manifest.json"])
+    archive = f"512_fp32/{manifest['archive']['name']}"
+    assert sorted(files) == sorted([".gitattributes", "README.md", archive, "512_fp32/manifest.json",
+                                    "512_fp32/metrics.json"])
+    assert manifest["validation"]["gates"]["passed"] is True
+    assert ("PUT", f"/lfs-upload/{manifest['archive']['sha256']}") in hub.calls  # the large-file path
+    card = files["README.md"].decode()
+    assert card.startswith("---\nlicense: apache-2.0\nbase_model: google/gemma-4-E4B-it\n") and VERSION in card
+    receipt = read_json(Paths.of(cfg).receipt)
+    assert receipt == {"target": "hub", "repo": REPO_ID, "version": VERSION, "tag": VERSION, "commit": repo.main,
+                       "fingerprint": manifest["fingerprint"], "archive_sha256": manifest["archive"]["sha256"]}
+
+
+def test_publishing_again_makes_no_commit_and_no_tag(hub, project):
+    repo = hub.repos[REPO_ID]
+    commits, tags, calls = len(repo.commits), dict(repo.tags), len(hub.calls)
+    run(hub_cfg(project), "publish")
+    assert len(repo.commits) == commits and repo.tags == tags
+    assert not [c for c in hub.calls[calls:] if c[0] != "GET" and c[0] != "HEAD" and "create" not in c[1]]
+
+
+def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, project):
+    hub.faults.conflicts = 2  # two 412s: someone else committed meanwhile
+    before = len(hub.repos[REPO_ID].commits)
+    run(hub_cfg(project, "256_bf16_host"), "publish")
+    repo = hub.repos[REPO_ID]
+    assert len(repo.commits) == before + 1  # retried after the conflicts, committed once
+    assert sorted(repo.tags) == ["256_bf16_host-cpu-torch2.13.0", VERSION]
+    card = files_at(hub, "main")["README.md"].decode()
+    assert "`256_bf16_host-cpu-torch2.13.0`" in card and f"`{VERSION}`" in card
+    assert "512_fp32/manifest.json" in files_at(hub, "main")
+
+
+def test_a_failed_upload_then_a_rerun_makes_exactly_one_commit(hub, project, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
+    cfg = hub_cfg(root, "512_fp32", "package.format=tar", "publish.overwrite=true", "publish.retries=2")
+    run(cfg, "package")
+    run(cfg, "validate")
+    before, local = len(hub.repos[REPO_ID].commits), snapshot(root)
+    hub.faults.drop_uploads = 100  # every upload breaks mid-body, past the client's and our retries
+    with pytest.raises(PublishError, match=r"failed after 2 attempt\(s\) .*retry later: publishing is idempotent"):
+        run(cfg, "publish")
+    assert len(hub.repos[REPO_ID].commits) == before and snapshot(root) == local
+    hub.faults.drop_uploads = 1  # one more broken upload: the client's own retry gets past it
+    run(cfg, "publish")
+    repo = hub.repos[REPO_ID]
+    assert len(repo.commits) == before + 1
+    files = files_at(hub, VERSION)
+    assert json.loads(files["512_fp32/manifest.json"])["archive"]["format"] == "tar"
+    assert not [p for p in files if p.startswith("512_fp32/") and p.endswith(".tar.zst")]  # the old archive left
+
+
+def test_a_lost_commit_response_is_retried_without_a_duplicate_commit(hub, project, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
+    cfg = hub_cfg(root, "512_fp32", "package.format=tar.gz", "publish.overwrite=true")
+    run(cfg, "package")
+    run(cfg, "validate")
+    before = len(hub.repos[REPO_ID].commits)
+    hub.faults.commit_lost = 1  # the commit lands, its answer is a 500
+    run(cfg, "publish")
+    repo = hub.repos[REPO_ID]
+    assert len(repo.commits) == before + 1 and repo.tags[VERSION] == repo.main
+
+
+def test_an_existing_version_from_another_build_is_refused_without_overwrite(hub, project, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
+    cfg = hub_cfg(root, "512_fp32")
+    manifest = read_json(Paths.of(cfg).manifest)
+    atomic_write_json(Paths.of(cfg).manifest, manifest | {"fingerprint": "e" * 64})  # another build's inputs
+    run(cfg, "validate")
+    commits = len(hub.repos[REPO_ID].commits)
+    local = snapshot(root)
+    with pytest.raises(PublishError, match=f"version {VERSION} is already published .* publish.overwrite=true"):
+        run(cfg, "publish")
+    assert len(hub.repos[REPO_ID].commits) == commits and snapshot(root) == local
+
+
+def test_an_unvalidated_artifact_is_refused_before_any_request(hub, project, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
+    cfg = hub_cfg(root)
+    metrics = read_json(Paths.of(cfg).metrics)
+    metrics["gates"] = {"parity": False, "throughput": True, "passed": False}
+    atomic_write_json(Paths.of(cfg).metrics, metrics)
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match="did not pass validation \\(parity gate failed\\)"):
+        run(cfg, "publish")
+    assert len(hub.calls) == calls
+
+
+def test_a_missing_token_is_named_before_any_request(hub, project, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match="no Hugging Face token: set HF_TOKEN .* or run `hf auth login`"):
+        run(hub_cfg(project), "publish")
+    assert len(hub.calls) == calls
+
+
+def test_a_wrong_token_is_a_clear_error(hub, project, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(PublishError, match="HTTP 401.*check publish.repo_id and the token's write access") as err:
+        run(hub_cfg(project), "publish")
+    assert "hf_wrong" not in str(err.value)  # never echoed
+
+
+def test_a_network_error_that_persists_past_the_retries_is_named(project, monkeypatch, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    local = snapshot(project)
+    with pytest.raises(PublishError, match=r"failed after 3 attempt\(s\) \(ConnectError.*retry later"):
+        run(hub_cfg(project, "512_fp32", "publish.retries=3"), "publish")
+    assert snapshot(project) == local
+
+
+def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tmp_path):
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
+           "PATH": "/usr/bin:/bin"}
+    version = "256_bf16_host-cpu-torch2.13.0"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(tmp_path / "w"),
+                           "--allow-unsigned"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path = Path(proc.stdout.strip())
+    assert sorted(p.name for p in path.iterdir()) == ["tp_0.pt", "tp_1.pt"]
+    manifest = json.loads(files_at(hub, version)["256_bf16_host/manifest.json"])
+    assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [path.name, path.name + ".manifest.json"]
