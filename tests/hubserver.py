@@ -340,38 +340,39 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.reply(200, {"warnings": []})
 
-    def tree(self, repo_id, revision, prefix=None):
+    def commit_at(self, repo_id, revision) -> Commit | None:
+        """The commit ``revision`` names in ``repo_id``, or None after answering 404."""
         repo = self.repo(repo_id)
         if repo is None:
-            return
+            return None
         commit = repo.resolve(revision)
         if commit is None:
             self.error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        return commit
+
+    def tree(self, repo_id, revision, prefix=None):
+        commit = self.commit_at(repo_id, revision)
+        if commit is None:
             return
         entries = []
         for p, data in sorted(commit.files.items()):
             if prefix and not p.startswith(prefix.rstrip("/") + "/"):
                 continue
             entry = {"type": "file", "path": p, "size": len(data), "oid": git_sha1(data)}
-            if len(data) > LFS_THRESHOLD or not _is_text(data[:512]):
+            if _stored_in_lfs(data):
                 entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
             entries.append(entry)
         self.reply(200, entries)
 
     def resolve_file(self, repo_id, revision, path):
-        repo = self.repo(repo_id)
-        if repo is None:
-            return
-        commit = repo.resolve(revision)
+        commit = self.commit_at(repo_id, revision)
         if commit is None:
-            self.error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return
         data = commit.files.get(path)
         if data is None:
             self.error(404, "EntryNotFound", f"{path} does not exist at {revision}")
             return
-        lfs = len(data) > LFS_THRESHOLD or not _is_text(data[:512])
-        etag = hashlib.sha256(data).hexdigest() if lfs else git_sha1(data)
+        etag = hashlib.sha256(data).hexdigest() if _stored_in_lfs(data) else git_sha1(data)
         self.reply(200, raw=data, headers={"ETag": f'"{etag}"', "X-Repo-Commit": commit.oid,
                                            "Content-Type": "application/octet-stream"})
 
@@ -384,6 +385,10 @@ class _nolock:
 
     def __exit__(self, *exc):
         return False
+
+
+def _stored_in_lfs(data: bytes) -> bool:
+    return len(data) > LFS_THRESHOLD or not _is_text(data[:512])
 
 
 def _is_text(sample: bytes) -> bool:
