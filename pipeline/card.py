@@ -50,9 +50,12 @@ tags:
 
 Compiled artifacts of [`{base}`](https://huggingface.co/{base}) for Inferentia2, built, validated and published by
 the gemma4-neuron-pipeline. Every version is one variant (KV cache length, prefill bucket, dtype, prefill mode)
-built with one compiler, tagged `<variant>-<compiler>`. Each version folder holds the archive of its per-rank files
-(`tp_0.pt`, `tp_1.pt`), its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain,
-source revision) and its `metrics.json` (parity against the float reference, throughput).
+built with one compiler, tagged `<variant>-<compiler>`. Each version folder holds the archive of its compiled files,
+its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain, source revision, and the
+`layout`) and its `metrics.json` (parity against the float reference, throughput). Host-prefill versions (layout
+`per_rank`) hold one file per NeuronCore, `tp_0.pt` and `tp_1.pt`, made by neuronx-distributed's
+`parallel_model_trace`; device-prefill versions (layout `nxd_model`) hold one `model.pt`, the ModelBuilder executor
+with the prefill and decode graphs and every rank's weights.
 
 ## Versions
 
@@ -75,9 +78,11 @@ python -m pipeline generate /workspace/{root} --checkpoint /data/gemma-4-E4B-it 
 ```
 
 `pull` resolves the tag to a commit once, downloads the manifest, its signature and the archive at that commit,
-verifies every checksum (and the signature), unpacks the rank files into a directory holding nothing else and prints
-its path; neuronx-distributed's loader can load that directory as it is. `generate` verifies it again against the
-manifest beside it and runs it. Pin the commit, not the tag, if you copy files by hand: tags can be moved.
+verifies every checksum (and the signature), unpacks the files into a directory holding nothing else and prints its
+path. neuronx-distributed loads it as it is: `parallel_model_load(dir)` for `per_rank`, or `torch.jit.load(dir +
+"/model.pt")` then `.nxd_model.initialize_with_saved_weights(torch.tensor(0))` for `nxd_model`. `generate`
+verifies it again against the manifest beside it and runs it. Pin the commit, not the tag, if you copy files by hand:
+tags can be moved.
 
 ## License
 

@@ -31,6 +31,23 @@ REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass
+class ResourceNeed:
+    """What building and loading one variant of a model needs on one backend, in GiB (estimates; build.json
+    records each trace's measured peaks, so they can be tuned)."""
+
+    trace_base_gb: float = 0.0
+    """The tracing process itself: reading the weights and building the graphs."""
+    trace_per_graph_gb: float = 0.0
+    """Each graph compiled at the same time (a rank for host prefill; prefill and decode for device prefill)."""
+    validate_gb: float = 0.0
+    """Loading a build and decoding with it."""
+    host_prefill_gb: float = 0.0
+    """The host's float model that prefills host-prefill variants (validate only)."""
+    disk_gb: float = 0.0
+    """Written per variant: compiler work files, the rank files and the archive."""
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     """Directory name under ``artifacts_dir``; one per model."""
@@ -46,6 +63,12 @@ class ModelConfig:
     head_key: str = "lm_head.weight"
     allow_patterns: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    resources: dict[str, ResourceNeed] = field(default_factory=dict)
+    """``resources.<backend>``: what the preflight checks the host against before trace and validate."""
+
+    def __post_init__(self) -> None:
+        # OmegaConf checks the nested keys but hands back plain dicts inside a dict-typed field.
+        self.resources = {k: v if isinstance(v, ResourceNeed) else ResourceNeed(**v) for k, v in self.resources.items()}
 
 
 @dataclass
@@ -76,6 +99,15 @@ class BackendConfig:
     compile_cache_dir: str | None = None
     max_parallel: int = 0
     """Ranks compiled at once (0: all)."""
+
+
+@dataclass
+class PreflightConfig:
+    check: bool = True
+    """Refuse to trace or validate on a host short of memory, disk or NeuronCores (pipeline/preflight.py)."""
+    make_swap: str | None = None
+    """Create and enable a swap file of this size (e.g. ``64G``) when memory is short. Needs root."""
+    swap_file: str = "/swapfile"
 
 
 @dataclass
@@ -223,6 +255,7 @@ class PipelineConfig:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     package: PackageConfig = field(default_factory=PackageConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     stage: str = "all"
     force: bool = False
     artifacts_dir: str = "artifacts"
@@ -294,6 +327,12 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found += _choice("variant.prefill", v.prefill, PREFILL_MODES)
         found += [p for p in v.shape.problems() if not p.startswith(("variant.dtype", "variant.prefill"))]
 
+    for backend, need in m.resources.items():
+        found += _choice("model.resources key", backend, ("cpu", "neuron"))
+        for key, value in vars(need).items():
+            if value < 0:
+                found.append(f"model.resources.{backend}.{key}={value} must not be negative")
+
     found += _choice("backend.name", cfg.backend.name, BACKENDS)
     if cfg.backend.max_parallel < 0:
         found.append(f"backend.max_parallel={cfg.backend.max_parallel} must be 0 (all ranks) or positive")
@@ -363,6 +402,16 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found.append(f"publish.retries={cfg.publish.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
                      f"(got {cfg.publish.retry_base_s}, {cfg.publish.retry_max_s})")
     found += _choice("stage", cfg.stage, ("all",) + STAGES)
+    if cfg.preflight.make_swap is not None:
+        from pipeline.preflight import parse_size
+
+        try:
+            if parse_size(cfg.preflight.make_swap) < 1 << 30:
+                found.append(f"preflight.make_swap={cfg.preflight.make_swap!r} is under 1 GiB: give a size like 64G")
+        except ValueError:
+            found.append(f"preflight.make_swap={cfg.preflight.make_swap!r} is not a size: write it like 64G or 512M")
+    if not cfg.preflight.swap_file.startswith("/"):
+        found.append(f"preflight.swap_file={cfg.preflight.swap_file!r} must be an absolute path")
     return found
 
 

@@ -4,7 +4,8 @@ SOURCE is a local publish folder (``publish=local``'s git repository) or a Huggi
 is resolved to a commit once, and every file is fetched at that commit, so a tag moved meanwhile cannot mix two
 versions. The manifest is schema-checked and (with ``--public-key``) its signature verified; the archive's sha256 and
 every member's are checked; the rank files are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing
-else, ready for neuronx-distributed's ``parallel_model_load``. Its path is printed on standard output.
+else, ready for neuronx-distributed's loaders (``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for
+ModelBuilder's ``model.pt``). Its path is printed on standard output.
 
     python -m pipeline pull artifacts/published 512_bf16-cpu-torch2.13.0 --dest /workspace
     python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0 --dest /workspace \\

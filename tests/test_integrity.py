@@ -306,7 +306,8 @@ def test_validate_refuses_a_tampered_artifact_before_loading(signed_project, tmp
     if tamper == "flip_archive_byte":  # the signature still holds: the validation job's own checks stop it
         from pipeline.validation import run_job
 
-        monkeypatch.setattr(validate, "run_fresh", run_job)  # in this process, where loading is forbidden
+        # In this process, where loading is forbidden.
+        monkeypatch.setattr(validate, "run_fresh", lambda job, host=None, need=None: run_job(job))
     with pytest.raises(IntegrityError, match=expected):
         run(cfg, "validate")
 

@@ -8,11 +8,14 @@ logits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.preflight import Need, Resources
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PREFILL_MODES = ("device", "host")
@@ -71,8 +74,13 @@ class TraceRequest:
     shape: BuildShape
     compiler_args: tuple[str, ...] = ()
     workdir: Path | None = None
+    """The compiler's scratch directory (default: beside the build); cleared by the compiler, so always ours."""
     max_parallel: int = 0  # ranks compiled at once; 0 means all
-    options: dict = field(default_factory=dict)
+    compile_cache_dir: str | None = None
+    """NEURON_COMPILE_CACHE_URL for the compiler (a path or s3:// URL); None keeps the compiler's default."""
+    host: Resources | None = None
+    """The preflight's measurement of this host; quoted when a rank or the compiler is killed."""
+    need: Need | None = None
 
 
 class RankRunner(Protocol):
@@ -107,6 +115,17 @@ class Backend(Protocol):
 
     def load(self, build, shape: BuildShape) -> RankRunner:
         """Load a ``pipeline.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""
+
+
+def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
+    """Example inputs of an entry point over ``tokens`` tokens: ``(embeds, per_layer_tokens, positions, last_index)``.
+
+    Values never matter (the graph has no data-dependent control flow); shapes and dtypes do: they are what a
+    compiled graph accepts, and what neuronx-distributed's NxDModel routes calls by.
+    """
+    embeds = torch.zeros(1, tokens, spec.hidden_size)
+    per_layer = torch.zeros(1, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
+    return embeds, per_layer, torch.arange(tokens).view(1, tokens), torch.tensor([tokens - 1])
 
 
 def rank_members(tp_degree: int) -> list[str]:

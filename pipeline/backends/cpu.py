@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from pipeline.archive import VerifiedBuild
-from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
+from pipeline.backends.base import (
+    BuildShape,
+    RankRunner,
+    TraceRequest,
+    check_request,
+    example_inputs,
+    rank_members,
+)
 from pipeline.errors import BuildError, IntegrityError
 from pipeline.fsutil import sha256_file, staged_dir
 from pipeline.procinfo import peak_rss_bytes
@@ -63,13 +70,6 @@ def _init_group(rank: int, tp_degree: int, init_file: str) -> None:
     name = dist.group.WORLD.group_name
     if name != GROUP_NAME:
         raise RuntimeError(f"gloo default group is named {name!r}, traced ranks expect {GROUP_NAME!r}")
-
-
-def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
-    """Deterministic example inputs of one entry point (values never matter: there is no data-dependent control)."""
-    embeds = torch.zeros(1, tokens, spec.hidden_size)
-    per_layer = torch.zeros(1, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
-    return embeds, per_layer, torch.arange(tokens).view(1, tokens), torch.tensor([tokens - 1])
 
 
 # -- rank processes -------------------------------------------------------------------------------------------------
@@ -161,10 +161,14 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> N
 
 
 class RankGroup:
-    """``tp_degree`` spawned rank processes and a pipe to each. Any rank's failure stops them all."""
+    """``tp_degree`` spawned rank processes and a pipe to each. Any rank's failure stops them all.
 
-    def __init__(self, tp_degree: int, job: tuple):
+    ``request`` (when tracing) carries the preflight's memory figures, quoted if a rank is killed.
+    """
+
+    def __init__(self, tp_degree: int, job: tuple, request: TraceRequest | None = None):
         self.tp_degree = tp_degree
+        self.request = request
         self._rendezvous = tempfile.mkdtemp(prefix="gemma4-gloo-")
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
@@ -207,7 +211,7 @@ class RankGroup:
                     self.procs[rank].join(timeout=5)  # reap it, so the exit code is known
                     code = self.procs[rank].exitcode
                     self.terminate()
-                    raise BuildError(describe_exit(rank, code))
+                    raise BuildError(describe_exit(rank, code, self.request))
         return [replies[r] for r in range(self.tp_degree)]
 
     def send_all(self, message) -> None:
@@ -228,10 +232,11 @@ class RankGroup:
         self.terminate()
 
 
-def describe_exit(rank: int, code: int | None) -> str:
-    if code is not None and code < 0 and -code == 9:
-        return (f"rank {rank} was killed by SIGKILL (exit -9): most likely the out-of-memory killer. "
-                "Check host RAM and swap (the preflight figures are in the log), or lower backend.max_parallel.")
+def describe_exit(rank: int, code: int | None, request: TraceRequest | None = None) -> str:
+    if code == -9:
+        from pipeline.preflight import oom_message
+
+        return oom_message(f"rank {rank}", request.host if request else None, request.need if request else None)
     return f"rank {rank} exited unexpectedly with code {code}"
 
 
@@ -255,7 +260,7 @@ class CpuBackend:
         check_request(request)
         started = time.monotonic()
         with staged_dir(Path(out_dir)) as tmp:
-            group = RankGroup(shape.tp_degree, ("trace", request, str(tmp)))
+            group = RankGroup(shape.tp_degree, ("trace", request, str(tmp)), request)
             try:
                 ranks = group.receive_all()
             finally:
@@ -264,6 +269,9 @@ class CpuBackend:
             if found != sorted(self.members(shape)):
                 raise BuildError(f"trace wrote {found}, expected exactly {self.members(shape)}")
         return {
+            "members": [{"path": r["file"], "size": r["size"], "sha256": r["sha256"]} for r in ranks],
+            "layout": "per_rank",
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
             "ranks": ranks,
             "wall_s": round(time.monotonic() - started, 3),
             "entries": list(shape.entries),

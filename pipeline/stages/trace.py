@@ -1,15 +1,23 @@
-"""Stage 4, trace: shard the weights per rank and trace/compile every rank of one variant.
+"""Stage 4, trace: check the host (preflight), then shard the weights per rank and trace/compile one variant.
 
-Writes ``artifacts/<model>/<variant>/build/`` holding exactly the backend's rank files (``tp_0.pt``, ``tp_1.pt``;
-neuronx-distributed's loader loads every file there) and ``build.json``: the fingerprint, the variant, the backend,
-the compiler and its exact arguments, the toolchain, per-rank times and peak RSS, and each file's sha256.
+The preflight (pipeline/preflight.py) compares RAM + swap (cgroup-aware), free disk and free NeuronCores with what
+``model.resources.<backend>`` says this variant needs, and refuses a shortfall with the numbers and the fix before
+anything is written.
+
+Writes ``artifacts/<model>/<variant>/build/`` holding exactly the backend's files (``tp_0.pt``, ``tp_1.pt``; or, for
+the neuron backend's device prefill, ModelBuilder's single ``model.pt``; neuronx-distributed's loader loads every
+file there) and ``build.json``: the fingerprint, the variant, the backend, the compiler and its exact arguments, the
+toolchain, the preflight's figures, times and peak RSS, and each file's sha256.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
+from pipeline import preflight
 from pipeline.backends import get_backend, resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.config import PipelineConfig
@@ -17,10 +25,14 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json, clean_stale_temps
 from pipeline.log import log
 from pipeline.paths import Paths
+from pipeline.preflight import GIB
 from pipeline.records import code_digest, fingerprint, read_record, require_record
 from pipeline.stages import StageResult
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
+
+# The source each backend's builds depend on, beyond the recipe (a change to one backend never rebuilds the other's).
+BACKEND_CODE = {"cpu": ("backends/cpu.py",), "neuron": ("backends/neuron.py", "backends/neuron_rank.py")}
 
 
 def backend_name(cfg: PipelineConfig, toolchain: dict) -> str:
@@ -35,16 +47,41 @@ def compiler_args(cfg: PipelineConfig, backend: str) -> list[str]:
     return list(cfg.backend.compiler_args.get(cfg.variant.dtype, [])) if backend == "neuron" else []
 
 
-def request(cfg: PipelineConfig, backend: str) -> TraceRequest:
+def compiler_workdir(cfg: PipelineConfig) -> Path | None:
+    """``backend.compiler_workdir`` (relative to ``artifacts_dir`` unless absolute), or None for the default."""
+    if cfg.backend.compiler_workdir is None:
+        return None
+    return (Paths.of(cfg).root / cfg.backend.compiler_workdir).resolve()
+
+
+def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceRequest:
     paths = Paths.of(cfg)
     return TraceRequest(
         checkpoint=CheckpointRef(paths.weights.resolve(), cfg.model.text_prefix, cfg.model.head_key),
         shape=cfg.variant.shape,
         compiler_args=tuple(compiler_args(cfg, backend)),
-        workdir=None if cfg.backend.compiler_workdir is None else paths.root / cfg.backend.compiler_workdir,
+        workdir=compiler_workdir(cfg),
         max_parallel=cfg.backend.max_parallel,
-        options={"compile_cache_dir": cfg.backend.compile_cache_dir},
+        compile_cache_dir=cfg.backend.compile_cache_dir if backend == "neuron" else None,
+        host=host,
+        need=need,
     )
+
+
+def preflight_need(cfg: PipelineConfig, backend: str) -> preflight.Need:
+    paths = Paths.of(cfg)
+    disk_paths = [paths.variant_dir]
+    if backend == "neuron" and compiler_workdir(cfg) is not None:
+        disk_paths.append(compiler_workdir(cfg))
+    if Path(".dvc/cache").is_dir():  # dvc repro copies (or links) every output into its cache
+        disk_paths.append(Path(".dvc/cache").resolve())
+    return preflight.trace_need(cfg.model.resources.get(backend), backend, cfg.variant.shape,
+                                cfg.backend.max_parallel, disk_paths)
+
+
+def compiler_env() -> dict:
+    """Environment that changes what neuronx-cc produces (optimum-neuron#457: NEURON_CC_FLAGS changes the code)."""
+    return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")}
 
 
 def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
@@ -56,8 +93,9 @@ def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, 
         "shape": asdict(cfg.variant.shape),
         "backend": backend,
         "compiler_args": compiler_args(cfg, backend),
+        "compiler_env": compiler_env() if backend == "neuron" else {},
         "toolchain": toolchain,
-        "code": code_digest("recipe", "backends"),
+        "code": code_digest("recipe", "backends/__init__.py", "backends/base.py", *BACKEND_CODE[backend]),
     })
 
 
@@ -82,29 +120,41 @@ def run(cfg: PipelineConfig) -> StageResult:
     for stale in clean_stale_temps(paths.variant_dir):
         log.warning("trace: removed %s left by an interrupted run", stale)
     impl = get_backend(backend)
-    req = request(cfg, backend)
+    compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
+    need = preflight_need(cfg, backend)
+    host = preflight.check(need, cfg.preflight)
+    log.info("trace: preflight passed: needs %.1f GiB of RAM + swap, %d NeuronCores; host offers %s", need.memory / GIB,
+             need.neuron_cores, host.summary())
+    req = request(cfg, backend, host, need)
     started = time.monotonic()
     log.info("trace: %s on %s, tp_degree %d, kv_max %d, bucket %d, %s, %s prefill", cfg.variant.name, backend,
              req.shape.tp_degree, req.shape.kv_max, req.shape.bucket, req.shape.dtype, req.shape.prefill)
     traced = impl.trace(req, paths.build)
-    members = [{"path": r["file"], "size": r["size"], "sha256": r["sha256"]} for r in traced["ranks"]]
     atomic_write_json(paths.build_record, {
         "fingerprint": fp,
         "variant": asdict(cfg.variant),
         "backend": backend,
-        "layout": traced.get("layout", "per_rank"),
-        "compiler": {"id": impl.compiler_id(toolchain), "args": list(req.compiler_args),
-                     "versions": {k: v["version"] for k, v in toolchain["packages"].items()}},
+        "layout": traced["layout"],
+        "compiler": {"id": compiler_id, "args": list(req.compiler_args),
+                     "versions": compiler_versions(toolchain)},
         "toolchain": toolchain,
+        "preflight": {"need": need.record(), "host": host.record()},
         "trace": traced,
-        "members": members,
+        "members": traced["members"],
         "model": {"name": cfg.model.name, "hub_id": model_record["hub_id"], "revision": model_record["revision"],
                   "config_digest": model_record["config_digest"], "weights_digest": model_record["weights_digest"]},
     })
-    peak = max(r["peak_rss_bytes"] for r in traced["ranks"])
-    log.info("trace: %s built in %.1f s, peak rank RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
-             peak / 1e9)
+    log.info("trace: %s built in %.1f s, peak RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
+             traced["peak_rss_bytes"] / 1e9)
     return StageResult("trace", "ran", time.monotonic() - started)
+
+
+def compiler_versions(toolchain: dict) -> dict:
+    """Package versions, with neuronx-cc's build hash where the toolchain knows it."""
+    versions = {k: v["version"] for k, v in toolchain["packages"].items()}
+    if (toolchain.get("neuronx_cc") or {}).get("version"):
+        versions["neuronx-cc"] = toolchain["neuronx_cc"]["version"]
+    return versions
 
 
 def load(cfg: PipelineConfig) -> dict:

@@ -1,6 +1,7 @@
 """Stage 6, validate: parity against the float reference and throughput, of the packaged artifact; then the gates.
 
-The prompts are chosen (and refused when they cannot serve the variant) before anything is loaded. The work runs in
+The prompts are chosen (and refused when they cannot serve the variant), and the host checked for the memory and
+NeuronCores loading the build needs (the preflight), before anything is loaded. The work runs in
 a fresh interpreter (``pipeline.validation``): verify the archive and its members against the manifest, unpack
 safely, load the ranks through the backend's loader, decode the validation prompts and judge them, and time three
 context lengths. Then the gates: parity must pass, and throughput must meet the floor configured for this backend
@@ -23,7 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import signing
+from pipeline import preflight, signing
 from pipeline.backends.base import BuildShape
 from pipeline.config import PipelineConfig
 from pipeline.errors import IntegrityError, ParityError, PipelineError, ThroughputError
@@ -50,12 +51,14 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) ->
     })
 
 
-def run_fresh(job: dict) -> dict:
+def run_fresh(job: dict, host: preflight.Resources | None = None, need: preflight.Need | None = None) -> dict:
     """Run the validation job in a new interpreter; returns its metrics or raises what it raised."""
     with tempfile.TemporaryDirectory(prefix="gemma4-validate-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         proc = subprocess.run([sys.executable, "-m", "pipeline.validation", str(job_path), str(result_path)])
+        if proc.returncode == -9:
+            raise PipelineError(preflight.oom_message("the validation process", host, need))
         if not result_path.exists():
             raise PipelineError(f"the validation process exited with code {proc.returncode} without a result")
         result = json.loads(result_path.read_text())
@@ -138,6 +141,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
     chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
                                       cfg.validate.prompt_names)
+    need = preflight.validate_need(cfg.model.resources.get(manifest["backend"]), manifest["backend"], shape)
+    host = preflight.check(need, cfg.preflight)
     sig = cfg.package.signing
     accepted = signing.check(paths.dist, manifest["archive"]["name"], sig.verifying_key(), sig.allow_unsigned,
                              f"the artifact in {paths.dist}")
@@ -159,7 +164,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     }
     log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest["version"],
              [reference["prompts"][i]["name"] for i in chosen])
-    measured = run_fresh(job)
+    measured = run_fresh(job, host, need)
     gate = throughput_gate(cfg, manifest["backend"], shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())
@@ -174,6 +179,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     atomic_write_json(paths.validation_report, {
         "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
         "backend": manifest["backend"], "hardware": cfg.hardware.name, "coverage": coverage, "signature": accepted,
+        "preflight": {"need": need.record(), "host": host.record()},
         "throughput_gate": gate, "prompts": measured["report"],
     })
     atomic_write_json(paths.plot_rows, [

@@ -1,0 +1,318 @@
+"""The neuron backend: the recipe compiled with torch-neuronx / neuronx-distributed for Inferentia2, and loaded back
+through neuronx-distributed's own loaders.
+
+Trace. Everything that needs no compiler is checked first (the variant, the model's split, the checkpoint, that the
+Neuron packages and the API the variant needs are installed). The compile then runs in its own process group
+(``python -m pipeline.backends.neuron_rank``), writing into a temporary directory beside the build that is renamed
+into place only when it holds exactly the expected files:
+
+- ``prefill=host``: ``parallel_model_trace`` + ``parallel_model_save`` -> ``tp_0.pt``, ``tp_1.pt`` (layout
+  ``per_rank``). The ranks compile concurrently, ``backend.max_parallel`` at a time. Neuron 2.27 dropped support for
+  this API; where it is gone the trace is refused before any work.
+- ``prefill=device``: ``ModelBuilder`` with ``prefill`` and ``decode`` keys over one weight set -> one TorchScript
+  file holding both graphs, every rank's weights and the KV state: ``model.pt`` (layout ``nxd_model``). It is
+  packaged like the rank files (the archive holds one directory with ``model.pt``; the manifest says
+  ``layout: nxd_model``), and loaded with ``torch.jit.load`` then ``nxd_model.initialize_with_saved_weights``.
+
+The compiler's scratch directory is ``<compiler_workdir or variant dir>/compile-<model>-<variant>``: ModelBuilder
+deletes its workdir before it starts, so it is never a directory a user named, only one this backend owns. It is
+removed after a successful compile and kept after a failure (its ``log-neuron-cc.txt`` files say why). A compile process
+killed with SIGKILL (the kernel's out-of-memory killer) is reported as such with the preflight's memory figures.
+
+Load. Only a ``VerifiedBuild``: ``parallel_model_load`` for ``per_rank`` (host prefill: each rank's KV state, the
+parameters named ``states.N``, is seeded with its heads of the host's caches), ``torch.jit.load`` +
+``initialize_with_saved_weights`` for ``nxd_model``. The greedy token is the argmax of the returned logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.archive import VerifiedBuild
+from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
+from pipeline.errors import BuildError, ConfigError, IntegrityError
+from pipeline.fsutil import read_json, sha256_file, staged_dir
+from pipeline.log import log
+
+NEURON_EXTRA_HINT = ("install the Neuron packages on an inf2 host: pip install -e '.[neuron]' "
+                     "--extra-index-url https://pip.repos.neuron.amazonaws.com (README: 'On an inf2 host')")
+PER_RANK, NXD_MODEL = "per_rank", "nxd_model"
+HOST_OOM_RE = re.compile(r"(returned|exit(?:ed)?(?: with)?(?: code| status)?)\s*:?\s*-9\b|signal\s*(?:9|SIGKILL)\b"
+                         r"|\bSIGKILL\b|\bKilled\b", re.IGNORECASE)
+DEVICE_OOM_RE = re.compile(r"NCC_EOOM\d*|Failed to alloc(?:ate)? DEVICE memory", re.IGNORECASE)
+STATE_NAME_RE = re.compile(r"^states\.(\d+)$")
+
+
+# -- what can be decided without the hardware ------------------------------------------------------------------------
+
+def layout(shape: BuildShape) -> str:
+    return NXD_MODEL if shape.prefill == "device" else PER_RANK
+
+
+def build_members(shape: BuildShape) -> list[str]:
+    from pipeline.backends.neuron_rank import NXD_MODEL_FILE
+
+    return [NXD_MODEL_FILE] if layout(shape) == NXD_MODEL else rank_members(shape.tp_degree)
+
+
+def shape_problems(shape: BuildShape) -> list[str]:
+    """What the neuron backend refuses beyond the generic checks."""
+    found = []
+    if shape.prefill == "device" and shape.bucket < 2:
+        found.append(f"variant.bucket={shape.bucket} with prefill=device: neuronx-distributed routes prefill and "
+                     "decode calls by their input shapes, so a prefill bucket must hold at least 2 tokens")
+    return found
+
+
+def neuronx_cc_release(toolchain: dict) -> str | None:
+    from pipeline.stages.toolchain import release_version
+
+    full = (toolchain.get("neuronx_cc") or {}).get("version")
+    return release_version(full) or (toolchain.get("packages", {}).get("neuronx-cc") or {}).get("version")
+
+
+def classify_failure(text: str) -> str | None:
+    """``host_oom`` (the compiler was killed, almost always by the out-of-memory killer), ``device_oom`` (the graph
+    does not fit a NeuronCore's memory), or None."""
+    if DEVICE_OOM_RE.search(text):
+        return "device_oom"
+    if HOST_OOM_RE.search(text):
+        return "host_oom"
+    return None
+
+
+def missing_api(prefill: str) -> str | None:
+    """Why this host cannot run the variant's trace API, or None when it can. Imports neuronx-distributed."""
+    for module in ("torch_neuronx", "neuronx_distributed"):
+        if importlib.util.find_spec(module) is None:
+            return f"backend=neuron needs the Python package {module!r}: {NEURON_EXTRA_HINT}"
+    if prefill == "host":
+        trace = importlib.import_module("neuronx_distributed.trace")
+        if not hasattr(trace, "parallel_model_trace"):
+            return ("prefill=host variants are compiled with neuronx_distributed.trace.parallel_model_trace, which "
+                    "this neuronx-distributed no longer has (Neuron SDK 2.27 retired it; 2.26 is the last release "
+                    "with it): build the device-prefill variants (512_bf16, 2048_bf16, ...), or install the [neuron] "
+                    "extra's pinned SDK versions to build host-prefill ones")
+        log.warning("prefill=host uses parallel_model_trace, which Neuron documents as unsupported from SDK 2.27 on; "
+                    "the build is validated like any other before it can ship")
+    else:
+        builder = importlib.import_module("neuronx_distributed.trace.model_builder")
+        if not hasattr(builder, "ModelBuilder"):
+            return ("prefill=device variants are compiled with neuronx_distributed.trace.model_builder.ModelBuilder, "
+                    f"which this neuronx-distributed lacks: {NEURON_EXTRA_HINT}")
+    return None
+
+
+def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
+    """The compiler's scratch directory: always a subdirectory this backend owns (ModelBuilder wipes it)."""
+    base = request.workdir if request.workdir is not None else out_dir.parent
+    return Path(base) / f"compile-{out_dir.parent.parent.name}-{out_dir.parent.name}"
+
+
+def state_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """A loaded rank's KV state in output order: the parameters named ``states.N``, by N (numerically: 10 after 9)."""
+    found = []
+    for name, param in module.named_parameters():
+        match = STATE_NAME_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), param))
+    return [param for _, param in sorted(found, key=lambda item: item[0])]
+
+
+# -- running the compile in its own process group ----------------------------------------------------------------------
+
+def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRequest,
+                 env: dict | None = None) -> tuple[dict, int]:
+    """Run ``argv`` in a new session; return ``(its result JSON, the peak RSS of its largest process)``.
+
+    An interruption of this process kills the whole group (the compiler processes included). A SIGKILL of the child
+    becomes an out-of-memory report with the preflight's figures; a failure whose text shows a killed compiler too.
+    """
+    from pipeline.preflight import oom_message
+
+    proc = subprocess.Popen(argv, start_new_session=True, env=env)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    proc.returncode = code = os.waitstatus_to_exitcode(status)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # compiler processes the child left behind
+    peak = usage.ru_maxrss * 1024
+    if code == -signal.SIGKILL:
+        raise BuildError(oom_message(what, request.host, request.need))
+    try:
+        result = read_json(result_path)
+    except (OSError, ValueError):
+        raise BuildError(f"{what} exited with code {code} without a result") from None
+    if not result.get("ok"):
+        error = result.get("error", "unknown error")
+        kind = classify_failure(error + "\n" + result.get("traceback", ""))
+        if kind == "host_oom":
+            raise BuildError(oom_message(what, request.host, request.need) + f"\nThe compiler said: {error}")
+        if kind == "device_oom":
+            raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
+                             "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
+        raise BuildError(f"{what} failed: {error}\n{result.get('traceback', '')}")
+    return result, peak
+
+
+# -- the backend ------------------------------------------------------------------------------------------------------
+
+class NeuronBackend:
+    name = "neuron"
+
+    def members(self, shape: BuildShape) -> list[str]:
+        return build_members(shape)
+
+    def compiler_id(self, toolchain: dict) -> str:
+        version = neuronx_cc_release(toolchain)
+        if not version:
+            raise BuildError(f"backend=neuron but artifacts/toolchain.json records no neuronx-cc: {NEURON_EXTRA_HINT}, "
+                             "then run stage=toolchain")
+        return "ncc" + version
+
+    def check(self, request: TraceRequest) -> None:
+        """Every refusal that needs no compile, before anything is written."""
+        problems = shape_problems(request.shape)
+        if problems:
+            raise ConfigError(problems)
+        check_request(request)
+        reason = missing_api(request.shape.prefill)
+        if reason:
+            raise BuildError(reason)
+
+    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
+        from pipeline.backends.neuron_rank import make_job
+
+        shape = request.shape
+        self.check(request)
+        out_dir = Path(out_dir)
+        workdir = compile_workdir(request, out_dir)
+        started = time.monotonic()
+        with staged_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="gemma4-neuron-trace-") as scratch:
+            job_path, result_path = Path(scratch) / "job.json", Path(scratch) / "result.json"
+            job = make_job(request.checkpoint, shape, list(request.compiler_args), tmp, workdir, request.max_parallel,
+                           request.compile_cache_dir)
+            job_path.write_text(json.dumps(job))
+            shutil.rmtree(workdir, ignore_errors=True)  # ours alone; a failed compile's files are stale now
+            workdir.mkdir(parents=True)
+            log.info("trace: compiling with neuronx-cc (%s), work files in %s", " ".join(request.compiler_args),
+                     workdir)
+            result, peak = run_isolated([sys.executable, "-m", "pipeline.backends.neuron_rank", str(job_path),
+                                         str(result_path)], result_path, f"the neuron compile of {out_dir.parent.name}",
+                                        request)
+            found = sorted(p.name for p in tmp.iterdir())
+            if found != sorted(self.members(shape)):
+                raise BuildError(f"the neuron compile wrote {found}, expected exactly {self.members(shape)} "
+                                 f"(work files kept in {workdir})")
+            members = [{"path": name, "size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                       for name in sorted(found)]
+        shutil.rmtree(workdir, ignore_errors=True)
+        return {
+            "members": members,
+            "layout": layout(shape),
+            "api": "ModelBuilder" if shape.prefill == "device" else "parallel_model_trace",
+            "entries": list(shape.entries),
+            "wall_s": round(time.monotonic() - started, 3),
+            "compile_s": result["seconds"],
+            "peak_rss_bytes": peak,
+            "max_parallel": request.max_parallel,
+            "compile_cache_dir": request.compile_cache_dir,
+            "compiler": "neuronx-cc",
+        }
+
+    def load(self, build: VerifiedBuild, shape: BuildShape) -> NeuronRunner:
+        if not isinstance(build, VerifiedBuild):
+            raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
+        return NeuronRunner(build, shape)
+
+
+class NeuronRunner(RankRunner):
+    """A loaded build on the NeuronCores of this host. Every call runs all ranks (threads of this process)."""
+
+    def __init__(self, build: VerifiedBuild, shape: BuildShape):
+        self.shape = shape
+        names = sorted(m["path"] for m in build.members)
+        expected = build_members(shape)
+        if names != sorted(expected):
+            raise IntegrityError(f"{build.directory} holds {names}, a {shape.prefill}-prefill tp_degree "
+                                 f"{shape.tp_degree} neuron build needs {expected}")
+        started = time.monotonic()
+        build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
+        if layout(shape) == NXD_MODEL:
+            self.model = torch.jit.load(str(build.directory / expected[0]))
+            self.model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+            self.states: list[list[torch.nn.Parameter]] = []
+        else:
+            from neuronx_distributed.trace import parallel_model_load
+
+            self.model = parallel_model_load(str(build.directory))
+            self.states = [state_parameters(rank) for rank in self.model.models]
+        self.load_s = time.monotonic() - started
+
+    def _call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(*inputs)
+        logits = (out[0] if isinstance(out, (tuple, list)) else out).to("cpu").float().reshape(1, -1)
+        return logits, torch.argmax(logits, dim=-1)
+
+    def prefill(self, embeds, per_layer_tokens, positions, last_index):
+        if "prefill" not in self.shape.entries:
+            raise RuntimeError("this build decodes only (prefill=host): seed the KV with seed_kv instead")
+        return self._call(embeds, per_layer_tokens, positions, last_index)
+
+    def decode(self, embeds, per_layer_tokens, positions, last_index):
+        return self._call(embeds, per_layer_tokens, positions, last_index)
+
+    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
+        if not self.states:
+            raise RuntimeError("only prefill=host builds take host-computed caches")
+        for rank, (params, caches) in enumerate(zip(self.states, per_rank, strict=True)):
+            write_states(rank, params, caches)
+
+    def reset(self) -> None:
+        """Nothing to do: a prompt's prefill (or seeding) rewrites every cache slot it will attend to, and the masks,
+        computed from positions, hide every slot beyond the current one. (NxD offers no cheap device-side zeroing.)"""
+
+    def peak_rss_bytes(self) -> list[int]:
+        from pipeline.procinfo import peak_rss_bytes
+
+        return [peak_rss_bytes()]  # the ranks run as threads of this process
+
+    def close(self) -> None:
+        self.model = None
+
+    def __enter__(self) -> NeuronRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_states(rank: int, params: list[torch.nn.Parameter], caches: list[torch.Tensor]) -> None:
+    """Copy host caches into one rank's KV state, refusing any count or shape mismatch (which would decode garbage)."""
+    if len(params) != len(caches):
+        raise IntegrityError(f"rank {rank} has {len(params)} KV state tensors (states.N), the host computed "
+                             f"{len(caches)} caches: the build and the model do not match")
+    for j, (param, cache) in enumerate(zip(params, caches)):
+        if tuple(param.shape) != tuple(cache.shape):
+            raise IntegrityError(f"rank {rank} states.{j} has shape {list(param.shape)}, the host cache "
+                                 f"{list(cache.shape)}: the build and the model do not match")
+        param.data.copy_(cache.to(param.dtype))

@@ -1,0 +1,320 @@
+"""The recipe under neuronx-distributed: the modules, weights and entry points the Neuron compile runs.
+
+Imported without the Neuron packages (everything touching them imports them inside a function), so what can be
+computed without Inferentia is unit tested on any machine: the alias maps, the checkpoint the loader hands over, the
+ModelBuilder plan.
+
+- ``NeuronParallel`` gives the recipe neuronx-distributed's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the
+  only difference from the cpu backend): inputs cast to the weight dtype, row-parallel partial sums reduced in fp32,
+  the vocabulary-split head all-gathered.
+- ``AliasedRank`` turns a rank's KV caches into ``nn.Parameter`` state returned as outputs 1.. and aliased back to
+  themselves (``{cache: 1 + j}``), so they stay resident on the NeuronCore and each call updates them in place.
+- Host prefill: ``parallel_model_trace`` calls ``host_prefill_rank(job)`` in each rank process; it slices that
+  rank's weights straight from the safetensors files and returns ``(module, aliases)``. ``parallel_model_save``
+  writes ``tp_0.pt``, ``tp_1.pt``.
+- Device prefill: ``ModelBuilder`` with a ``prefill`` key (bucket tokens) and a ``decode`` key (one token) over one
+  ``RankInstance``, so both graphs share one weight set and one KV state; ``full_checkpoint(job)`` reads the
+  rank-side tensors at full size from the safetensors files (ModelBuilder cuts each rank's slice itself, along the
+  same dimensions as ``ShardPlan``); ``layer_scalar`` buffers are copied in by hand when the module is built, since
+  ModelBuilder's sharding loads parameters only. The traced executor is saved as one file, ``model.pt``.
+
+``python -m pipeline.backends.neuron_rank JOB.json RESULT.json`` runs one trace (the neuron backend starts it in its
+own process group, so an out-of-memory kill or an interruption takes down the compiler with it and nothing else).
+Writes the rank files into the job's ``out_dir`` and the outcome into RESULT.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.backends.base import BuildShape, CheckpointRef, example_inputs
+from pipeline.recipe.parallel import Parallel, ShardLinear
+
+DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
+HOST_PREFILL_API = "neuronx_distributed.trace.parallel_model_trace"
+NXD_MODEL_FILE = "model.pt"
+
+
+# -- the parallel primitives ------------------------------------------------------------------------------------------
+
+@functools.cache
+def nxd_linear_classes():
+    """neuronx-distributed's parallel linear layers, adapted to the recipe's numerics (defined on first use)."""
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
+    from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
+
+    class Column(ColumnParallelLinear):
+        """This rank's output rows; the fp32 residual stream is cast to the weight dtype first."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x.to(self.weight.dtype))
+
+    class Row(RowParallelLinear):
+        """This rank's input columns; partial products summed across ranks in fp32 (built with reduce_output=False,
+        so the sum is not rounded back to the weight dtype), as the cpu backend does."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            partial = super().forward(x.to(self.weight.dtype)).float()
+            return reduce_from_tensor_model_parallel_region(partial, process_group=self.tensor_parallel_group)
+
+    class Head(ColumnParallelLinear):
+        """The vocabulary-split output head (gather_output=True): every rank ends with the full fp32 logits row."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x.to(self.weight.dtype)).float()
+
+    return Column, Row, Head
+
+
+class NeuronParallel(Parallel):
+    """The recipe's layer factory on neuronx-distributed (inside its tensor-parallel context)."""
+
+    def __init__(self, tp_degree: int):
+        super().__init__(tp_degree, group="")
+
+    def column(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
+        column, _, _ = nxd_linear_classes()
+        return column(in_features, out_features, bias=False, gather_output=False, dtype=dtype)
+
+    def row(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
+        _, row, _ = nxd_linear_classes()
+        return row(in_features, out_features, bias=False, input_is_parallel=True, dtype=dtype, reduce_output=False)
+
+    def head(self, in_features: int, vocab: int, dtype: torch.dtype, sharded: bool) -> nn.Module:
+        if not sharded or self.tp_degree == 1:
+            return ShardLinear(in_features, vocab, dtype)  # replicated: every rank computes the whole row
+        _, _, head = nxd_linear_classes()
+        return head(in_features, vocab, bias=False, gather_output=True, dtype=dtype)
+
+
+# -- the traced module ------------------------------------------------------------------------------------------------
+
+class AliasedRank(nn.Module):
+    """A rank whose KV caches are graph state: ``forward`` returns ``(logits, *caches)``, and ``aliases()`` maps each
+    cache parameter to its output index, so the runtime writes the updated caches back into the same device memory.
+
+    Logits are fp32 ``[1, vocab]``; the greedy token is taken on the host (one argmax), so no integer output leaves
+    the graph.
+    """
+
+    def __init__(self, decoder):
+        super().__init__()
+        for name in decoder.cache_names():
+            cache = getattr(decoder, name)
+            delattr(decoder, name)  # a buffer becomes a parameter: neuronx-distributed aliases parameters only
+            decoder.register_parameter(name, nn.Parameter(cache, requires_grad=False))
+        self.decoder = decoder
+
+    def forward(self, embeds, per_layer_tokens, positions, last_index):
+        logits, _token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index)
+        return (logits, *caches)
+
+    def caches(self) -> list[nn.Parameter]:
+        return self.decoder.caches()
+
+    def aliases(self) -> dict[nn.Parameter, int]:
+        """``{cache parameter: output index}``; output 0 is the logits."""
+        return {cache: 1 + j for j, cache in enumerate(self.caches())}
+
+
+# -- jobs: what the trace process is asked to do (JSON, so it crosses the process boundary plainly) -----------------
+
+def make_job(checkpoint: CheckpointRef, shape: BuildShape, compiler_args: list[str], out_dir: Path, workdir: Path,
+             max_parallel: int, compile_cache_dir: str | None) -> dict:
+    return {
+        "checkpoint": {"directory": str(checkpoint.directory), "text_prefix": checkpoint.text_prefix,
+                       "head_key": checkpoint.head_key},
+        "shape": {"kv_max": shape.kv_max, "bucket": shape.bucket, "dtype": shape.dtype, "prefill": shape.prefill,
+                  "tp_degree": shape.tp_degree},
+        "compiler_args": list(compiler_args),
+        "out_dir": str(out_dir),
+        "workdir": str(workdir),
+        "max_parallel": max_parallel,
+        "compile_cache_dir": compile_cache_dir,
+    }
+
+
+def job_shape(job: dict) -> BuildShape:
+    return BuildShape(**job["shape"])
+
+
+def job_checkpoint(job: dict):
+    from pipeline.recipe.checkpoint import Checkpoint
+
+    c = job["checkpoint"]
+    return Checkpoint(c["directory"], c["text_prefix"], c["head_key"])
+
+
+def _layer_scalars(ckpt, spec) -> dict[int, torch.Tensor]:
+    return {layer.index: ckpt.read(f"layers.{layer.index}.layer_scalar", spec).float() for layer in spec.layers}
+
+
+def build_aliased_rank(job: dict, rank: int | None) -> AliasedRank:
+    """The rank module on neuronx-distributed's layers.
+
+    ``rank`` given (host prefill): every weight of that rank, sliced from the safetensors files, copied in.
+    ``rank`` None (ModelBuilder): the structure only, its weights come from ``full_checkpoint``; but ``layer_scalar``
+    is a buffer, which ModelBuilder's sharding never loads, so it is copied in here by hand.
+    """
+    from pipeline.recipe.model import RankDecoder
+    from pipeline.recipe.plan import ShardPlan, load_rank_state
+    from pipeline.recipe.spec import load_spec
+
+    shape = job_shape(job)
+    spec = load_spec(job["checkpoint"]["directory"])
+    plan = ShardPlan(spec, shape.tp_degree)
+    decoder = RankDecoder(spec, plan, NeuronParallel(shape.tp_degree), shape.kv_max, shape.torch_dtype)
+    with job_checkpoint(job) as ckpt:
+        if rank is not None:
+            copy_state(decoder, load_rank_state(ckpt, plan, rank, shape.torch_dtype))
+        else:
+            with torch.no_grad():
+                for index, value in _layer_scalars(ckpt, spec).items():
+                    scalar = decoder.layers[index].layer_scalar
+                    if scalar.device.type != "meta":  # ModelBuilder also builds it on the meta device to shard
+                        scalar.copy_(value.view_as(scalar))
+    return AliasedRank(decoder.eval()).eval()
+
+
+def copy_state(decoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into the module's existing tensors (keeping the parameter objects neuronx-distributed
+    annotated), one tensor at a time so the rank's weights are never held twice. Missing or extra names are errors."""
+    targets = decoder.state_dict(keep_vars=True)
+    caches = set(decoder.cache_names())
+    missing = sorted(n for n in targets if n not in state and n not in caches)
+    unexpected = sorted(n for n in state if n not in targets)
+    if missing or unexpected:
+        raise RuntimeError(f"rank state does not fit the recipe: missing={missing} unexpected={unexpected}")
+    with torch.no_grad():
+        for name in list(state):
+            tensor = state.pop(name)
+            if targets[name].shape != tensor.shape:
+                raise RuntimeError(f"{name}: rank state {list(tensor.shape)}, module {list(targets[name].shape)}")
+            targets[name].copy_(tensor)
+
+
+def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
+    """ModelBuilder's checkpoint: every rank-side tensor at full size, named as ``AliasedRank.state_dict()`` names it.
+
+    Read straight from the safetensors files (``from_pretrained`` would trip ModelBuilder's meta-device parameter
+    patching); the embedding tables stay on the host. ``layer_scalar`` values are included too, as the seed did, in
+    case a compiler version keeps buffers as weights rather than constants.
+    """
+    from pipeline.recipe.plan import ShardPlan, load_rank_state
+    from pipeline.recipe.spec import load_spec
+
+    shape = job_shape(job)
+    spec = load_spec(job["checkpoint"]["directory"])
+    with job_checkpoint(job) as ckpt:
+        whole = load_rank_state(ckpt, ShardPlan(spec, 1), 0, shape.torch_dtype)
+    return {"decoder." + name: tensor for name, tensor in whole.items()}
+
+
+def host_prefill_rank(job: dict) -> tuple[nn.Module, dict]:
+    """``parallel_model_trace``'s ``func``: called in each rank process, under its tensor-parallel rank."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    module = build_aliased_rank(job, parallel_state.get_tensor_model_parallel_rank())
+    return module, module.aliases()
+
+
+class RankInstance:
+    """What ModelBuilder asks a model for (the ``BaseModelInstance`` interface: ``load_module()``, then
+    ``get(bucket_rank) -> (module, input_output_aliases)``). One instance serves both keys; ModelBuilder rebuilds the
+    module for each, and the aliases must name the parameters of the module just built."""
+
+    def __init__(self, job: dict):
+        self.job = job
+        self.module: AliasedRank | None = None
+
+    def load_module(self) -> None:
+        self.module = build_aliased_rank(self.job, rank=None)
+
+    def get(self, bucket_rank: int, **kwargs) -> tuple[nn.Module, dict]:
+        return self.module, self.module.aliases()
+
+
+def model_builder_plan(shape: BuildShape) -> list[tuple[str, int]]:
+    """ModelBuilder's keys and the tokens per call of each: one bucket per key."""
+    return [("prefill", shape.bucket), ("decode", 1)]
+
+
+def router_key(inputs: tuple[torch.Tensor, ...]) -> str:
+    """How NxDModel picks the graph for a call: the list of input shapes, as a string. Keys must differ."""
+    return str([list(t.shape) for t in inputs])
+
+
+def compiler_arg_string(args: list[str]) -> str:
+    """ModelBuilder takes the compiler arguments as one string (it appends its own flags to it)."""
+    return shlex.join(args)
+
+
+# -- the two trace paths ----------------------------------------------------------------------------------------------
+
+def trace_host_prefill(job: dict) -> None:
+    from neuronx_distributed.trace import parallel_model_save, parallel_model_trace
+
+    from pipeline.recipe.spec import load_spec
+
+    shape = job_shape(job)
+    spec = load_spec(job["checkpoint"]["directory"])
+    model = parallel_model_trace(
+        functools.partial(host_prefill_rank, job),
+        example_inputs(spec, 1),
+        compiler_workdir=job["workdir"],
+        compiler_args=list(job["compiler_args"]),
+        tp_degree=shape.tp_degree,
+        max_parallel_compilations=job["max_parallel"] or None,
+    )
+    parallel_model_save(model, job["out_dir"])
+
+
+def trace_device_prefill(job: dict) -> None:
+    from neuronx_distributed.trace.model_builder import ModelBuilder
+
+    from pipeline.recipe.spec import load_spec
+
+    shape = job_shape(job)
+    spec = load_spec(job["checkpoint"]["directory"])
+    builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
+        full_checkpoint, job), compiler_workdir=job["workdir"])
+    instance = RankInstance(job)
+    for key, tokens in model_builder_plan(shape):
+        builder.add(key, instance, [example_inputs(spec, tokens)],
+                    compiler_args=compiler_arg_string(job["compiler_args"]))
+    traced = builder.trace(initialize_model_weights=True)
+    torch.jit.save(traced, str(Path(job["out_dir"]) / NXD_MODEL_FILE))
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.fsutil import atomic_write_json
+    from pipeline.procinfo import peak_rss_bytes
+
+    job = json.loads(Path(argv[0]).read_text())
+    if job.get("compile_cache_dir"):
+        os.environ["NEURON_COMPILE_CACHE_URL"] = job["compile_cache_dir"]
+    started = time.monotonic()
+    try:
+        if job_shape(job).prefill == "host":
+            trace_host_prefill(job)
+        else:
+            trace_device_prefill(job)
+        result = {"ok": True, "seconds": round(time.monotonic() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
+    except BaseException as exc:  # noqa: BLE001 - reported to the stage process, which raises
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    atomic_write_json(argv[1], result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

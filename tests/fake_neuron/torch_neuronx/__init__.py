@@ -1,0 +1,3 @@
+"""Test stand-in for torch-neuronx (see tests/fake_neuron/README.md)."""
+
+__version__ = "9.9.9+fake"

@@ -1,0 +1,385 @@
+"""The neuron backend without Inferentia: everything it computes without the hardware, its refusals, and the whole
+pipeline run through it on a stand-in for the Neuron SDK (tests/fake_neuron, tp_degree 1)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from pipeline.backends.base import BuildShape, CheckpointRef, TraceRequest, example_inputs
+from pipeline.backends.neuron import (
+    NeuronBackend,
+    classify_failure,
+    missing_api,
+    run_isolated,
+    shape_problems,
+    state_parameters,
+    write_states,
+)
+from pipeline.backends.neuron_rank import (
+    AliasedRank,
+    compiler_arg_string,
+    full_checkpoint,
+    make_job,
+    model_builder_plan,
+    router_key,
+)
+from pipeline.config import available_variants, load_config
+from pipeline.errors import BuildError, ConfigError, IntegrityError
+from pipeline.preflight import GIB, Need, Resources
+from pipeline.recipe.checkpoint import Checkpoint
+from pipeline.recipe.model import build_rank
+from pipeline.recipe.parallel import Parallel
+from pipeline.recipe.plan import ShardPlan, load_rank_state
+from pipeline.recipe.spec import load_spec
+
+from .helpers import CONF, FAST_VALIDATE, run
+
+FAKE = Path(__file__).resolve().parent / "fake_neuron"
+SEED_BF16_ARGS = ["--model-type", "transformer", "--auto-cast", "all", "--auto-cast-type", "bf16"]
+NEURON_MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")
+
+
+def neuron_config(artifacts: Path, variant: str, *overrides: str):
+    args = [f"+variant={variant}", f"artifacts_dir={artifacts}", "backend=neuron", *overrides]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return load_config(compose(config_name="config", overrides=args), variant)
+
+
+def _forget_neuron_modules() -> None:
+    from pipeline.backends.neuron_rank import nxd_linear_classes
+
+    nxd_linear_classes.cache_clear()
+    for name in list(sys.modules):
+        if name.split(".")[0] in NEURON_MODULES:
+            del sys.modules[name]
+
+
+@pytest.fixture
+def fake_neuron(monkeypatch):
+    """The stand-in Neuron SDK on sys.path, PYTHONPATH (for the compile and validation processes) and PATH."""
+    _forget_neuron_modules()
+    monkeypatch.syspath_prepend(str(FAKE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PATH", f"{FAKE / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    importlib.invalidate_caches()
+    yield FAKE
+    _forget_neuron_modules()
+
+
+def job_for(tiny_dir: Path, tmp_path: Path, shape: BuildShape) -> dict:
+    return make_job(CheckpointRef(tiny_dir, "model."), shape, [], tmp_path / "out", tmp_path / "work", 0, None)
+
+
+# -- without any Neuron package --------------------------------------------------------------------------------------
+
+def test_the_package_imports_and_refuses_neuron_work_without_the_neuron_packages(tiny_dir, tmp_path):
+    assert all(importlib.util.find_spec(name) is None for name in NEURON_MODULES)  # this suite runs without them
+    from pipeline.backends import get_backend, resolve
+
+    assert resolve("auto") == "cpu"
+    backend = get_backend("neuron")
+    assert backend.members(BuildShape(512, 128, "bf16", "device", 2)) == ["model.pt"]
+    assert backend.members(BuildShape(512, 128, "bf16", "host", 2)) == ["tp_0.pt", "tp_1.pt"]
+    assert "pip install -e '.[neuron]'" in missing_api("device")
+    out = tmp_path / "build"
+    with pytest.raises(BuildError, match=r"torch_neuronx.*pip.repos.neuron.amazonaws.com"):
+        backend.trace(TraceRequest(CheckpointRef(tiny_dir, "model."), BuildShape(256, 32, "bf16", "device", 2)), out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# -- compiler arguments --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", available_variants(CONF))
+def test_compiler_arguments_per_variant(tmp_path, variant):
+    from pipeline.stages.trace import compiler_args
+
+    cfg = neuron_config(tmp_path, variant)
+    args = compiler_args(cfg, "neuron")
+    if cfg.variant.dtype == "bf16":
+        assert args == SEED_BF16_ARGS  # the seed recipe's flags
+    else:
+        assert args == ["--model-type", "transformer", "--auto-cast", "none"]  # fp32 must be token-exact
+    assert shlex.split(compiler_arg_string(args)) == args  # ModelBuilder takes one string
+    assert compiler_args(cfg, "cpu") == []
+
+
+def test_compiler_id_names_the_neuronx_cc_release():
+    backend = NeuronBackend()
+    assert backend.compiler_id({"neuronx_cc": {"version": "2.23.6484.0+f702b353"}}) == "ncc2.23.6484.0"
+    only_metadata = {"neuronx_cc": {"version": None}, "packages": {"neuronx-cc": {"version": "2.23.6484.0"}}}
+    assert backend.compiler_id(only_metadata) == "ncc2.23.6484.0"
+    with pytest.raises(BuildError, match="records no neuronx-cc"):
+        backend.compiler_id({"neuronx_cc": {"version": None}, "packages": {"neuronx-cc": {"version": None}}})
+
+
+# -- the ModelBuilder plan -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", [v for v in available_variants(CONF) if not v.endswith("_host")])
+def test_model_builder_plan_routes_prefill_and_decode_apart(tiny_dir, tmp_path, variant):
+    cfg = neuron_config(tmp_path, variant)
+    shape = cfg.variant.shape
+    spec = load_spec(tiny_dir)
+    plan = model_builder_plan(shape)
+    assert plan == [("prefill", shape.bucket), ("decode", 1)]
+    keys = {router_key(example_inputs(spec, tokens)) for _, tokens in plan}
+    assert len(keys) == 2  # NxDModel routes each call by its input shapes
+    assert shape_problems(shape) == []
+
+
+def test_a_one_token_prefill_bucket_is_refused_before_work(tiny_dir, tmp_path):
+    shape = BuildShape(256, 1, "bf16", "device", 2)
+    assert "at least 2 tokens" in shape_problems(shape)[0]
+    with pytest.raises(ConfigError, match="variant.bucket=1"):
+        NeuronBackend().trace(TraceRequest(CheckpointRef(tiny_dir, "model."), shape), tmp_path / "build")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the traced module, its aliases and its checkpoint ---------------------------------------------------------------
+
+def test_aliased_rank_returns_its_caches_as_outputs_aliased_back_to_themselves(tiny_dir):
+    spec = load_spec(tiny_dir)
+    plan = ShardPlan(spec, 1)
+    with Checkpoint(tiny_dir, "model.") as ckpt:
+        reference = build_rank(spec, plan, Parallel(1), 64, torch.float32,
+                               load_rank_state(ckpt, plan, 0, torch.float32))
+        decoder = build_rank(spec, plan, Parallel(1), 64, torch.float32,
+                             load_rank_state(ckpt, plan, 0, torch.float32)).decoder
+    rank = AliasedRank(decoder)
+    caches = rank.caches()
+    assert len(caches) == 2 * len(spec.producers) and all(isinstance(c, torch.nn.Parameter) for c in caches)
+    assert not any(c.requires_grad for c in caches) and not any("_cache_" in n for n, _ in rank.named_buffers())
+    assert list(rank.aliases().values()) == list(range(1, len(caches) + 1))
+    inputs = example_inputs(spec, 16)
+    with torch.no_grad():
+        out = rank(*inputs)
+        logits, _ = reference.prefill(*inputs)
+    assert torch.equal(out[0], logits)
+    for cache, index in rank.aliases().items():  # output j is the update of the parameter aliased to j
+        assert out[index].shape == cache.shape and out[index].dtype == cache.dtype
+    for name, index in zip(reference.decoder.cache_names(), range(1, len(caches) + 1)):
+        assert torch.equal(out[index], getattr(reference.decoder, name))
+
+
+def test_the_checkpoint_loader_names_every_weight_as_the_module_does(tiny_dir, tmp_path):
+    shape = BuildShape(64, 16, "bf16", "device", 2)
+    spec = load_spec(tiny_dir)
+    checkpoint = full_checkpoint(job_for(tiny_dir, tmp_path, shape))
+    plan = ShardPlan(spec, 1)
+    with Checkpoint(tiny_dir, "model.") as ckpt:
+        state = load_rank_state(ckpt, plan, 0, torch.bfloat16)
+    decoder = build_rank(spec, plan, Parallel(1), 64, torch.bfloat16, state).decoder
+    names = {n for n in AliasedRank(decoder).state_dict() if "_cache_" not in n}
+    assert set(checkpoint) == names
+    assert checkpoint["decoder.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert checkpoint["decoder.layers.0.layer_scalar"].dtype == torch.float32
+    assert float(checkpoint["decoder.layers.0.layer_scalar"]) != 1.0
+
+
+def test_neuronx_distributed_cuts_the_full_checkpoint_into_the_plans_rank_slices(tiny_dir):
+    """ModelBuilder shards each parallel layer's weight into equal contiguous chunks along its partition dimension
+    (create_local_weight: torch.split(full, size // tp, dim)[rank]); that must be exactly ShardPlan's slice."""
+    spec = load_spec(tiny_dir)
+    plan = ShardPlan(spec, 2)
+    with Checkpoint(tiny_dir, "model.") as ckpt:
+        full = load_rank_state(ckpt, ShardPlan(spec, 1), 0, torch.float32)
+        for rank in range(2):
+            mine = load_rank_state(ckpt, plan, rank, torch.float32)
+            for name, tensor in full.items():
+                dim = plan.split(name)
+                expected = tensor if dim is None else torch.split(tensor, tensor.shape[dim] // 2, dim)[rank]
+                assert torch.equal(mine[name], expected), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_recipe_on_neuronx_distributed_layers_computes_what_the_cpu_recipe_does(fake_neuron, tiny_dir, tmp_path,
+                                                                                     dtype):
+    from pipeline.backends.neuron_rank import build_aliased_rank
+
+    shape = BuildShape(64, 16, dtype, "host", 1)
+    job = job_for(tiny_dir, tmp_path, shape)
+    rank = build_aliased_rank(job, 0)
+    assert type(rank.decoder.layers[0].mlp.down_proj).__name__ == "Row"  # neuronx-distributed's layer, adapted
+    spec = load_spec(tiny_dir)
+    plan = ShardPlan(spec, 1)
+    with Checkpoint(tiny_dir, "model.") as ckpt:
+        cpu = build_rank(spec, plan, Parallel(1), 64, shape.torch_dtype,
+                         load_rank_state(ckpt, plan, 0, shape.torch_dtype))
+    inputs = example_inputs(spec, 16)
+    with torch.no_grad():
+        assert torch.equal(rank(*inputs)[0], cpu.prefill(*inputs)[0])
+
+
+def test_modelbuilder_structure_gets_layer_scalar_by_hand(fake_neuron, tiny_dir, tmp_path):
+    from pipeline.backends.neuron_rank import RankInstance
+
+    job = job_for(tiny_dir, tmp_path, BuildShape(64, 16, "bf16", "device", 1))
+    instance = RankInstance(job)
+    instance.load_module()
+    module, aliases = instance.get(0)
+    assert set(aliases) == set(module.caches())
+    with Checkpoint(tiny_dir, "model.") as ckpt:
+        spec = load_spec(tiny_dir)
+        for layer in spec.layers:
+            expected = ckpt.read(f"layers.{layer.index}.layer_scalar", spec).float()
+            assert torch.equal(module.decoder.layers[layer.index].layer_scalar, expected.view(1))
+            assert float(expected) != 1.0
+
+
+# -- loading: KV state ------------------------------------------------------------------------------------------------
+
+def test_kv_state_is_found_in_numeric_order_and_seeded_only_when_shapes_match():
+    module = torch.nn.Module()
+    module.states = torch.nn.ParameterList([torch.nn.Parameter(torch.full((1, 1, 4, 2), float(i)),
+                                                               requires_grad=False) for i in range(12)])
+    module.weight = torch.nn.Parameter(torch.zeros(2))
+    found = state_parameters(module)
+    assert [int(p[0, 0, 0, 0]) for p in found] == list(range(12))  # states.10 after states.9
+    caches = [torch.full((1, 1, 4, 2), 100.0 + i, dtype=torch.bfloat16) for i in range(12)]
+    write_states(0, found, caches)
+    assert float(module.states[11][0, 0, 0, 0]) == 111.0 and module.states[11].dtype == torch.float32
+    with pytest.raises(IntegrityError, match="12 KV state tensors"):
+        write_states(0, found, caches[:3])
+    with pytest.raises(IntegrityError, match=r"states.0 has shape \[1, 1, 4, 2\]"):
+        write_states(0, found, [torch.zeros(1, 2, 4, 2)] + caches[1:])
+
+
+def test_the_runner_loads_only_a_verified_build_of_the_right_layout(tmp_path):
+    from pipeline.archive import verify_build
+
+    (tmp_path / "tp_0.pt").write_bytes(b"x")
+    build = verify_build(tmp_path, [{"path": "tp_0.pt", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}])
+    with pytest.raises(TypeError, match="VerifiedBuild"):
+        NeuronBackend().load(tmp_path, BuildShape(64, 16, "bf16", "host", 1))
+    with pytest.raises(IntegrityError, match=r"needs \['model.pt'\]"):
+        NeuronBackend().load(build, BuildShape(64, 16, "bf16", "device", 1))
+
+
+# -- API detection, and the compile process's failures ----------------------------------------------------------------
+
+def test_a_neuronx_distributed_without_parallel_model_trace_refuses_host_prefill(fake_neuron, tiny_dir, tmp_path,
+                                                                                 monkeypatch, caplog):
+    assert missing_api("host") is None and "unsupported from SDK 2.27" in caplog.text
+    assert missing_api("device") is None
+    trace_module = importlib.import_module("neuronx_distributed.trace")
+    monkeypatch.delattr(trace_module, "parallel_model_trace")
+    reason = missing_api("host")
+    assert "Neuron SDK 2.27 retired it" in reason and "device-prefill variants" in reason
+    out = tmp_path / "variant" / "build"
+    with pytest.raises(BuildError, match="2.26 is the last release"):
+        NeuronBackend().trace(TraceRequest(CheckpointRef(tiny_dir, "model."), BuildShape(64, 16, "bf16", "host", 1)),
+                              out)
+    assert not (tmp_path / "variant").exists()
+
+
+HOST = Resources(mem_available=100 * GIB, swap_free=8 * GIB, swap_total=8 * GIB)
+NEED = Need(memory=180 * GIB, what="tracing")
+
+
+def _child(tmp_path: Path, body: str) -> tuple[list[str], Path]:
+    result = tmp_path / "result.json"
+    return [sys.executable, "-c", f"import json, os, signal, sys\nresult = {str(result)!r}\n{body}"], result
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    ("os.kill(os.getpid(), signal.SIGKILL)",
+     r"killed by SIGKILL \(exit -9\): most likely the out-of-memory killer.*available RAM 100.0 GiB, free swap 8.0 "
+     r"GiB; the model's declared need was 180.0 GiB"),
+    ("json.dump({'ok': False, 'error': 'RuntimeError: Compile command returned: -9'}, open(result, 'w'))",
+     r"(?s)out-of-memory killer.*The compiler said: RuntimeError: Compile command returned: -9"),
+    ("json.dump({'ok': False, 'error': 'ProcessExitedException: process 1 terminated with signal SIGKILL'}, "
+     "open(result, 'w'))", "out-of-memory killer"),
+    ("json.dump({'ok': False, 'error': 'RuntimeError: NCC_EOOM002 out of device memory'}, open(result, 'w'))",
+     r"does not fit a NeuronCore's memory.*lower variant.kv_max"),
+    ("json.dump({'ok': False, 'error': 'ValueError: bad graph', 'traceback': 'tb'}, open(result, 'w'))",
+     r"the compile failed: ValueError: bad graph"),
+    ("sys.exit(3)", "exited with code 3 without a result"),
+])
+def test_compile_process_failures_are_reported_for_what_they_are(tmp_path, body, match):
+    argv, result = _child(tmp_path, body)
+    request = TraceRequest(CheckpointRef(tmp_path, "model."), BuildShape(64, 16, "bf16", "device", 2), host=HOST,
+                           need=NEED)
+    with pytest.raises(BuildError, match=match):
+        run_isolated(argv, result, "the compile", request)
+
+
+def test_failure_text_is_classified():
+    assert classify_failure("INFO:Neuron:Compile command returned: -9") == "host_oom"
+    assert classify_failure("neuronx-cc exited with code -9") == "host_oom"
+    assert classify_failure("Killed") == "host_oom"
+    assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") == "device_oom"
+    assert classify_failure("ERROR NCC_EOOM001") == "device_oom"
+    assert classify_failure("returned: -90 lines") is None and classify_failure("shape mismatch") is None
+
+
+# -- the whole pipeline on the stand-in ----------------------------------------------------------------------------
+
+def _manifest(root: Path, variant: str) -> dict:
+    return json.loads((root / "gemma4_tiny" / variant / "dist" / "manifest.json").read_text())
+
+
+def test_device_prefill_end_to_end_on_the_stand_in(fake_neuron, tmp_path):
+    cfg = neuron_config(tmp_path, "512_fp32", "variant.tp_degree=1", *FAST_VALIDATE)
+    run(cfg)
+    variant_dir = tmp_path / "gemma4_tiny" / "512_fp32"
+    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["model.pt"]
+    assert not any(p.name.startswith("compile-") for p in variant_dir.iterdir())  # work files removed on success
+    manifest = _manifest(tmp_path, "512_fp32")
+    assert manifest["layout"] == "nxd_model" and manifest["version"] == "512_fp32-ncc9.9.9.9"
+    assert manifest["compiler"]["args"] == ["--model-type", "transformer", "--auto-cast", "none"]
+    assert manifest["compiler"]["versions"]["neuronx-cc"] == "9.9.9.9+fa4e0000"  # with the build hash
+    assert manifest["toolchain"]["neuronx_cc"]["source"] == "neuronxcc.__version__"
+    build = json.loads((variant_dir / "build.json").read_text())
+    assert build["preflight"]["host"]["neuron_cores"] == 2 and build["preflight"]["need"]["neuron_cores"] == 1
+    assert build["trace"]["api"] == "ModelBuilder"
+    metrics = json.loads((variant_dir / "metrics.json").read_text())
+    # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand.
+    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"]
+
+
+def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(fake_neuron, tmp_path):
+    cfg = neuron_config(tmp_path, "256_bf16_host", "variant.tp_degree=1", *FAST_VALIDATE)
+    run(cfg)
+    variant_dir = tmp_path / "gemma4_tiny" / "256_bf16_host"
+    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["tp_0.pt"]
+    manifest = _manifest(tmp_path, "256_bf16_host")
+    assert manifest["layout"] == "per_rank" and manifest["compiler"]["args"] == SEED_BF16_ARGS
+    build = json.loads((variant_dir / "build.json").read_text())
+    assert build["trace"]["api"] == "parallel_model_trace"
+    metrics = json.loads((variant_dir / "metrics.json").read_text())
+    # Decoding after the host prefill stays within bf16 noise of the reference only if every cache was seeded.
+    assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"]
+
+
+def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURON_COMPILE_ERROR", "Compile command returned: -9")
+    cfg = neuron_config(tmp_path, "512_bf16", "variant.tp_degree=1")
+    with pytest.raises(BuildError, match=r"(?s)out-of-memory killer.*At the preflight: available RAM"):
+        run(cfg)
+    variant_dir = tmp_path / "gemma4_tiny" / "512_bf16"
+    assert not (variant_dir / "build").exists() and not (variant_dir / "build.json").exists()
+    assert not [p for p in variant_dir.iterdir() if p.name.startswith(".")]  # no staging directory left
+
+
+def test_the_neuron_preflight_refuses_a_host_without_neuroncores(tmp_path):
+    from pipeline.errors import PreflightError
+
+    cfg = neuron_config(tmp_path, "512_bf16")
+    run(cfg, "toolchain")
+    record = json.loads((tmp_path / "toolchain.json").read_text())
+    record["neuronx_cc"]["version"] = "2.23.6484.0+f702b353"  # as if the compiler were installed
+    (tmp_path / "toolchain.json").write_text(json.dumps(record))
+    run(cfg, "model")
+    with pytest.raises(PreflightError, match="needs 2 NeuronCores but neuron-ls is not available"):
+        run(cfg, "trace")
+    assert not (tmp_path / "gemma4_tiny" / "512_bf16" / "build").exists()

@@ -1,0 +1,224 @@
+"""The preflight: host figures read from real file formats, decisions from injected figures, every refusal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.backends.base import BuildShape
+from pipeline.config import PreflightConfig, ResourceNeed
+from pipeline.errors import PreflightError
+from pipeline.preflight import (
+    GIB,
+    Disk,
+    Need,
+    Resources,
+    cgroup_memory,
+    check,
+    decide,
+    make_swap,
+    parse_meminfo,
+    parse_neuron_ls,
+    parse_size,
+    trace_need,
+    validate_need,
+)
+
+from .helpers import config, run
+
+MEMINFO = """MemTotal:       131072000 kB
+MemFree:         2048000 kB
+MemAvailable:   125829120 kB
+Buffers:          123456 kB
+SwapTotal:       8388608 kB
+SwapFree:        8388608 kB
+HugePages_Total:       0
+"""
+
+# neuron-ls --json-output on an inf2.8xlarge (one Inferentia2 device, two NeuronCores).
+NEURON_LS = [{"neuron_device": 0, "bdf": "00:1f.0", "cpu_affinity": "0-31", "numa_node": "0", "connected_to": None,
+              "nc_count": 2, "memory_size": 34359738368, "neuroncore_ids": [0, 1], "neuron_processes": []}]
+
+E4B_NEURON = ResourceNeed(trace_base_gb=20, trace_per_graph_gb=80, validate_gb=15, host_prefill_gb=17, disk_gb=120)
+HOST_2048 = BuildShape(2048, 512, "bf16", "host", 2)
+DEVICE_2048 = BuildShape(2048, 512, "bf16", "device", 2)
+
+
+def host(ram_gib: float, swap_gib: float = 0, **kwargs) -> Resources:
+    return Resources(mem_available=int(ram_gib * GIB), swap_free=int(swap_gib * GIB), swap_total=int(swap_gib * GIB),
+                     **kwargs)
+
+
+# -- reading the host -------------------------------------------------------------------------------------------------
+
+def test_meminfo_is_read_in_bytes():
+    info = parse_meminfo(MEMINFO)
+    assert info["MemAvailable"] == 125829120 * 1024 and info["SwapFree"] == 8 * GIB
+    assert info["HugePages_Total"] == 0
+
+
+def _cgroup_file(root: Path, rel: str, name: str, value: str) -> None:
+    (root / rel).mkdir(parents=True, exist_ok=True)
+    (root / rel / name).write_text(value + "\n")
+
+
+def test_cgroup_v2_takes_the_tightest_limit_along_the_hierarchy(tmp_path):
+    _cgroup_file(tmp_path, "system.slice", "memory.max", str(64 * GIB))
+    _cgroup_file(tmp_path, "system.slice/docker-1.scope", "memory.max", "max")
+    _cgroup_file(tmp_path, "system.slice/docker-1.scope", "memory.current", str(2 * GIB))
+    _cgroup_file(tmp_path, "system.slice/docker-1.scope", "memory.swap.max", "0")
+    assert cgroup_memory("0::/system.slice/docker-1.scope\n", tmp_path) == (64 * GIB, 2 * GIB, 0)
+
+
+def test_cgroup_v1_and_no_cgroup(tmp_path):
+    _cgroup_file(tmp_path, "memory/job", "memory.limit_in_bytes", str(16 * GIB))
+    _cgroup_file(tmp_path, "memory/job", "memory.usage_in_bytes", str(GIB))
+    assert cgroup_memory("12:memory:/job\n11:cpu,cpuacct:/job\n", tmp_path) == (16 * GIB, GIB, None)
+    _cgroup_file(tmp_path, "memory/free", "memory.limit_in_bytes", str(1 << 62))  # v1 writes a huge number: no limit
+    assert cgroup_memory("12:memory:/free\n", tmp_path)[0] is None
+    assert cgroup_memory("", tmp_path) == (None, None, None)
+
+
+def test_neuron_ls_output_gives_cores_and_cores_in_use():
+    assert parse_neuron_ls(json.dumps(NEURON_LS)) == (2, 0)
+    busy = [dict(NEURON_LS[0], neuron_processes=[{"pid": 4242, "command": "python serve.py"}])]
+    assert parse_neuron_ls(json.dumps(busy)) == (2, 2)
+    itself = [dict(NEURON_LS[0], neuron_processes=[{"pid": 1, "command": "neuron-ls --json-output"}])]
+    assert parse_neuron_ls(json.dumps(itself)) == (2, 0)
+    assert parse_neuron_ls(json.dumps(NEURON_LS * 6)) == (12, 0)  # inf2.48xlarge: 6 devices
+
+
+@pytest.mark.parametrize(("text", "size"), [("64G", 64 * GIB), ("64GiB", 64 * GIB), ("512M", 512 << 20),
+                                            ("1.5T", int(1.5 * (1 << 40))), ("1024", 1024)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+# -- what a variant needs ---------------------------------------------------------------------------------------------
+
+def test_trace_need_counts_the_graphs_compiled_at_once():
+    # The seed: both ranks compiling at once peaked past 128 GiB and needed a 55 GiB swap file.
+    both = trace_need(E4B_NEURON, "neuron", HOST_2048, 0, [Path("/a")])
+    assert both.memory == 180 * GIB and both.neuron_cores == 2 and both.disk == {"/a": 120 * GIB}
+    assert "backend.max_parallel=1 (needs 100 GiB)" in both.memory_hint
+    one = trace_need(E4B_NEURON, "neuron", HOST_2048, 1, [])
+    assert one.memory == 100 * GIB and not one.memory_hint
+    device = trace_need(E4B_NEURON, "neuron", DEVICE_2048, 1, [])  # ModelBuilder: prefill and decode at once
+    assert device.memory == 180 * GIB and not device.memory_hint
+    cpu = trace_need(ResourceNeed(trace_base_gb=1, trace_per_graph_gb=2), "cpu", HOST_2048, 0, [])
+    assert cpu.memory == 5 * GIB and cpu.neuron_cores == 0
+    assert trace_need(None, "neuron", HOST_2048, 0, []).memory == 0  # undeclared: cores still checked
+
+
+def test_validate_need_adds_the_host_float_model_for_host_prefill():
+    assert validate_need(E4B_NEURON, "neuron", HOST_2048).memory == 32 * GIB
+    assert validate_need(E4B_NEURON, "neuron", DEVICE_2048).memory == 15 * GIB
+
+
+# -- decisions ------------------------------------------------------------------------------------------------------
+
+def test_an_inf2_8xlarge_without_swap_is_refused_with_the_numbers_and_the_swap_commands():
+    need = trace_need(E4B_NEURON, "neuron", HOST_2048, 0, [])
+    problems = decide(need, host(125, 0, neuron_cores=2), "/swapfile")
+    assert len(problems) == 1
+    msg = problems[0]
+    assert "needs 180.0 GiB of RAM + swap; this host offers 125.0 GiB" in msg and "55.0 GiB short" in msg
+    assert "sudo fallocate -l 59G /swapfile && sudo chmod 600 /swapfile && sudo mkswap /swapfile" in msg
+    assert "preflight.make_swap=59G" in msg and "backend.max_parallel=1 (needs 100 GiB)" in msg
+    assert decide(need, host(125, 60, neuron_cores=2)) == []  # the seed's 55 GiB swap file (plus margin) fits
+
+
+def test_loading_on_an_inf2_xlarge_needs_swap():
+    need = validate_need(E4B_NEURON, "neuron", DEVICE_2048)
+    assert "needs 15.0 GiB of RAM + swap" in decide(need, host(14, 0, neuron_cores=2))[0]
+    assert decide(need, host(14, 16, neuron_cores=2)) == []
+
+
+def test_a_container_limit_binds_before_host_ram_and_swap():
+    need = Need(memory=40 * GIB, what="tracing")
+    limited = host(120, 64, cgroup_limit=32 * GIB, cgroup_usage=4 * GIB)
+    assert limited.usable_memory == 28 * GIB + 64 * GIB  # the container's RAM, plus the swap it may use
+    no_swap = host(120, 64, cgroup_limit=32 * GIB, cgroup_usage=4 * GIB, cgroup_swap_limit=0)
+    assert no_swap.usable_memory == 28 * GIB
+    msg = decide(need, no_swap)[0]
+    assert "cgroup limit 32.0 GiB (using 4.0)" in msg and "container's memory limit is the binding one" in msg
+    capped_swap = host(120, 64, cgroup_swap_limit=2 * GIB)
+    assert capped_swap.usable_memory == 122 * GIB
+    swapless = host(10, 64, cgroup_swap_limit=0)
+    assert "may not swap (memory.swap.max is 0)" in decide(need, swapless)[0]
+
+
+def test_disk_is_checked_once_per_file_system():
+    need = Need(memory=0, disk={"/art": 100 * GIB, "/art/cache": 100 * GIB, "/scratch": 100 * GIB}, what="tracing")
+    res = host(10, disks={"/art": Disk(1, 150 * GIB), "/art/cache": Disk(1, 150 * GIB), "/scratch": Disk(2, 50 * GIB)})
+    problems = decide(need, res)
+    assert problems == ["tracing writes up to 100.0 GiB under /scratch, whose file system has 50.0 GiB free: free "
+                        "space there, or move the outputs (artifacts_dir=..., backend.compiler_workdir=...)"]
+
+
+def test_neuroncores_must_exist_and_be_free():
+    need = Need(memory=0, neuron_cores=2, what="tracing")
+    assert "neuron-ls is not available" in decide(need, host(10))[0]
+    assert "2 of them held by other processes" in decide(need, host(10, neuron_cores=2, neuron_cores_busy=2))[0]
+    assert decide(need, host(10, neuron_cores=4, neuron_cores_busy=2)) == []
+
+
+# -- making swap ------------------------------------------------------------------------------------------------------
+
+def test_make_swap_needs_root_and_says_how_to_do_it_by_hand(tmp_path):
+    with pytest.raises(PreflightError, match=r"needs root.*sudo fallocate -l 64G"):
+        make_swap(64 * GIB, str(tmp_path / "swap"), is_root=False)
+
+
+def test_make_swap_runs_the_four_commands_and_refuses_an_existing_file(tmp_path):
+    calls = []
+
+    def runner(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    swap = str(tmp_path / "swap")
+    make_swap(2 * GIB, swap, runner=runner, is_root=True)
+    assert [c[0] for c in calls] == ["fallocate", "chmod", "mkswap", "swapon"] and calls[0][2] == str(2 * GIB)
+    (tmp_path / "swap").write_bytes(b"")
+    with pytest.raises(PreflightError, match="already exists"):
+        make_swap(2 * GIB, swap, runner=runner, is_root=True)
+
+
+def test_a_failing_swap_command_is_reported(tmp_path):
+    def runner(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "fallocate: fallocate failed: Operation not supported")
+
+    with pytest.raises(PreflightError, match="fallocate -l .* failed: fallocate: fallocate failed"):
+        make_swap(GIB, str(tmp_path / "swap"), runner=runner, is_root=True)
+
+
+def test_check_measures_this_host_and_can_be_switched_off():
+    res = check(Need(memory=GIB, what="a small job"), PreflightConfig())
+    assert res.mem_available > 0
+    with pytest.raises(PreflightError, match=r"(?s)preflight.check=false.*a huge job needs 1048576.0 GiB"):
+        check(Need(memory=1 << 50, what="a huge job"), PreflightConfig())
+    assert check(Need(memory=1 << 50), PreflightConfig(check=False)).mem_available > 0
+
+
+def test_bad_preflight_settings_are_refused(tmp_path):
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="preflight.make_swap='lots' is not a size"):
+        config(tmp_path, "preflight.make_swap=lots")
+    with pytest.raises(ConfigError, match="preflight.swap_file='swapfile' must be an absolute path"):
+        config(tmp_path, "preflight.swap_file=swapfile")
+    with pytest.raises(ConfigError, match=r"model.resources.cpu.validate_gb=-1.0 must not be negative"):
+        config(tmp_path, "model.resources.cpu.validate_gb=-1")
+
+
+def test_the_trace_stage_refuses_a_short_host_before_writing_anything(tmp_path):
+    cfg = config(tmp_path, "model.resources.cpu.trace_base_gb=1000000")
+    run(cfg, "toolchain")
+    run(cfg, "model")
+    with pytest.raises(PreflightError, match=r"tracing 512/128 fp32 device-prefill on cpu needs 1000001.0 GiB"):
+        run(cfg, "trace")
+    assert sorted(p.name for p in (tmp_path / "gemma4_tiny").iterdir()) == ["model.json", "weights"]
