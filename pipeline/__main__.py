@@ -1,7 +1,9 @@
 """Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
 
-Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py) and
-``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py).
+Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py),
+``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py),
+``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/schedule.py: many variants at once, memory permitting) and
+``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: newer Neuron compiler packages?).
 
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -23,6 +25,7 @@ log = logging.getLogger("pipeline")
 def run_pipeline(cfg) -> list:
     from pipeline.config import SHARED_STAGES, STAGES, available_variants
     from pipeline.errors import ConfigError
+    from pipeline.locking import held, stage_lock_name
     from pipeline.stages import module
 
     stages = list(STAGES) if cfg.stage == "all" else [cfg.stage]
@@ -34,7 +37,10 @@ def run_pipeline(cfg) -> list:
     started = time.monotonic()
     for name in stages:
         began = time.monotonic()
-        result = module(name).run(cfg)
+        # Several runs may share artifacts_dir (a multirun launcher, the scheduler, two shells): a stage waits for
+        # another run of itself, then skips by fingerprint.
+        with held(cfg.root, stage_lock_name(name, cfg.model.name, cfg.variant.name if cfg.variant else None)):
+            result = module(name).run(cfg)
         result.seconds = time.monotonic() - began
         log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)
         results.append(result)
@@ -78,7 +84,19 @@ def _generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
-SUBCOMMANDS = {"pull": _pull, "generate": _generate}
+def _schedule(argv: list[str]) -> int:
+    from pipeline.schedule import main as schedule_main
+
+    return schedule_main(argv)
+
+
+def _check_upgrades(argv: list[str]) -> int:
+    from pipeline.upgrades import main as upgrades_main
+
+    return upgrades_main(argv)
+
+
+SUBCOMMANDS = {"pull": _pull, "generate": _generate, "schedule": _schedule, "check-upgrades": _check_upgrades}
 
 
 def main() -> None:

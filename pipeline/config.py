@@ -233,6 +233,21 @@ class PackageConfig:
 
 
 @dataclass
+class RegressionConfig:
+    """How much worse than the last published version of a variant a rebuild may be (pipeline/regression.py)."""
+
+    tokens_per_s_drop: float = 0.10
+    """Largest accepted fall of decode tokens/s (slowest context), as a fraction of the previous figure."""
+    ttft_ms_rise: float = 0.20
+    """Largest accepted rise of time to first token, as a fraction of the previous figure."""
+    teacher_forced_drop: float = 0.02
+    """Largest accepted fall of the teacher-forced match (a share of positions)."""
+    throughput_backends: list[str] = field(default_factory=lambda: ["neuron"])
+    """Backends whose throughput is compared. The cpu backend's timings are reference figures that swing with the
+    machine's load by tens of percent between runs, so by default only its parity is compared."""
+
+
+@dataclass
 class PublishConfig:
     target: str = "local"
     repo_id: str = "gemma-4-E4B-it-inferentia2"
@@ -244,6 +259,9 @@ class PublishConfig:
     """Attempts of the publish step on conflicts (409/412) and transient failures (5xx, connection errors)."""
     retry_base_s: float = 1.0
     retry_max_s: float = 30.0
+    regression: RegressionConfig = field(default_factory=RegressionConfig)
+    allow_regression: bool = False
+    """Publish a rebuild even if it regressed against the last published version (recorded in its manifest)."""
 
 
 @dataclass
@@ -401,6 +419,14 @@ def problems(cfg: PipelineConfig) -> list[str]:
     if cfg.publish.retries < 1 or cfg.publish.retry_base_s < 0 or cfg.publish.retry_max_s < cfg.publish.retry_base_s:
         found.append(f"publish.retries={cfg.publish.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
                      f"(got {cfg.publish.retry_base_s}, {cfg.publish.retry_max_s})")
+    reg = cfg.publish.regression
+    for key in ("tokens_per_s_drop", "teacher_forced_drop"):
+        if not 0.0 <= getattr(reg, key) <= 1.0:
+            found.append(f"publish.regression.{key}={getattr(reg, key)} must be a fraction within [0, 1]")
+    for backend in reg.throughput_backends:
+        found += _choice("publish.regression.throughput_backends entry", backend, ("cpu", "neuron"))
+    if reg.ttft_ms_rise < 0:
+        found.append(f"publish.regression.ttft_ms_rise={reg.ttft_ms_rise} must not be negative")
     found += _choice("stage", cfg.stage, ("all",) + STAGES)
     if cfg.preflight.make_swap is not None:
         from pipeline.preflight import parse_size

@@ -32,7 +32,7 @@ SCHEMA: dict[str, Any] = {
     "members": list,
     "archive": {"name": str, "format": str, "size": int, "sha256": str, "root": str},
 }
-OPTIONAL = {"validation": dict, "created_by": str, "signature": dict}
+OPTIONAL = {"validation": dict, "regression": dict, "created_by": str, "signature": dict}
 
 
 def _check(obj: Any, schema: dict, where: str) -> list[str]:

@@ -9,6 +9,7 @@ the stage process applies the gates.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -235,6 +236,7 @@ def run_job(job: dict) -> dict:
             host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
             with get_backend(manifest["backend"]).load(ranks, shape) as runner:
                 loaded = time.monotonic()
+                gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
                 gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
                 first = reference["prompts"][chosen[0]]["input_ids"]
                 for _ in range(job["warmup_prompts"]):

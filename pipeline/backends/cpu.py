@@ -14,6 +14,7 @@ Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import platform
@@ -116,6 +117,7 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
+    gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
     conn.send(("ready", {"rank": rank, "peak_rss_bytes": peak_rss_bytes()}))
     while True:
         command, payload = conn.recv()
@@ -160,6 +162,18 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> N
                 dist.destroy_process_group()
 
 
+def spawn_context():
+    """multiprocessing's spawn context, made safe inside a launcher's worker (e.g. Hydra's joblib launcher).
+
+    A spawned child re-applies its parent's *default* start method; a worker of joblib's loky backend has ``loky``
+    as its default, which a fresh interpreter does not know. Resetting this process's default to ``spawn`` touches
+    only this worker.
+    """
+    if mp.get_start_method(allow_none=True) not in mp.get_all_start_methods():
+        mp.set_start_method("spawn", force=True)
+    return mp.get_context("spawn")
+
+
 class RankGroup:
     """``tp_degree`` spawned rank processes and a pipe to each. Any rank's failure stops them all.
 
@@ -170,7 +184,7 @@ class RankGroup:
         self.tp_degree = tp_degree
         self.request = request
         self._rendezvous = tempfile.mkdtemp(prefix="gemma4-gloo-")
-        ctx = mp.get_context("spawn")
+        ctx = spawn_context()
         self.conns, self.procs = [], []
         for rank in range(tp_degree):
             parent, child = ctx.Pipe()

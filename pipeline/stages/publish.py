@@ -8,8 +8,10 @@ the variant's folder (an older version's archive) leaves the head in the same co
 Only a validated artifact goes out: its validation must have passed every gate for exactly this archive, and the
 archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version
 already published with the same fingerprint makes no commit and no tag; a different build under an existing version
-is refused unless ``publish.overwrite=true``. Targets: ``local`` (a git repository laid out as the Hub repo) and
-``hub`` (pipeline/hub.py).
+is refused unless ``publish.overwrite=true``. A rebuild is compared with the last published version of its variant
+first and refused if it regressed (pipeline/regression.py; ``publish.allow_regression=true`` overrides, and the
+comparison is recorded in the published manifest). Targets: ``local`` (a git repository laid out as the Hub repo)
+and ``hub`` (pipeline/hub.py).
 
 Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, version, commit, tag, fingerprint).
 """
@@ -17,12 +19,13 @@ Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, 
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline import signing
+from pipeline import regression, signing
 from pipeline.archive import verify_file
 from pipeline.card import render
 from pipeline.config import PipelineConfig
@@ -56,8 +59,9 @@ def require_validated(manifest: dict, metrics: dict, report: dict, variant: str)
                            f"({', '.join(failed)} gate failed); see metrics.json and validation.json")
 
 
-def published_manifest(manifest: dict, summary: dict) -> dict:
-    return check_manifest(manifest | {"validation": summary})
+def published_manifest(manifest: dict, summary: dict, regression: dict | None = None) -> dict:
+    extra = {"validation": summary} | ({"regression": regression} if regression else {})
+    return check_manifest(manifest | extra)
 
 
 def dump(obj) -> bytes:
@@ -98,18 +102,20 @@ def published_manifests(target, exclude: str) -> list[dict]:
     return out
 
 
-def publish_version(target, version: str, variant: str, files: dict, manifest: dict, repo_id: str,
+def publish_version(target, version: str, variant: str, prepare, fingerprint: str, repo_id: str,
                     overwrite: bool) -> dict:
-    """Publish ``files`` as one commit tagged ``version`` on ``target``; idempotent on the manifest fingerprint.
+    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on the manifest fingerprint.
 
-    Returns ``{"commit": oid, "created": bool}``.
+    ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
+    returns ``(files, manifest)`` to publish (it may refuse: the regression gate). Returns
+    ``{"commit": oid, "created": bool}``.
     """
     target.ensure()
     tags = target.tags()
     if version in tags:
         raw = target.read(tags[version], f"{variant}/manifest.json")
         theirs = json.loads(raw) if raw else {}
-        if theirs.get("fingerprint") == manifest["fingerprint"]:
+        if theirs.get("fingerprint") == fingerprint:
             log.info("publish: %s is already published at %s (same fingerprint): nothing to do", version,
                      tags[version][:12])
             return {"commit": tags[version], "created": False}
@@ -118,6 +124,8 @@ def publish_version(target, version: str, variant: str, files: dict, manifest: d
                                "different build: bump the variant or compiler, or pass publish.overwrite=true to "
                                "replace it")
     head = target.head()
+    raw = target.read(head, f"{variant}/manifest.json")
+    files, manifest = prepare(json.loads(raw) if raw else None)
     card = render(published_manifests(target, version) + [manifest], repo_id).encode()
     stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
     commit = target.commit({**files, "README.md": card}, stale, f"Publish {version}", head)
@@ -134,24 +142,36 @@ def run(cfg: PipelineConfig) -> StageResult:
     sig = cfg.package.signing
     signing.check(paths.dist, archive.name, sig.verifying_key(), sig.allow_unsigned, f"the artifact in {paths.dist}")
     verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
-    final = published_manifest(manifest, validation_summary(metrics, report))
+    summary = validation_summary(metrics, report)
     version = manifest["version"]
-    files = repo_files(cfg.variant.name, archive, final, metrics, sig.private_key)
     pub = cfg.publish
+
+    def prepare(previous: dict | None) -> tuple[dict, dict]:
+        found = regression.gate(previous, version, manifest["fingerprint"], summary, pub.regression,
+                                pub.allow_regression)
+        if found:
+            log.log(logging.WARNING if found["allowed"] else logging.INFO, "publish: %s against %s: %s\n%s",
+                    version, found["against"], "REGRESSED, allowed by publish.allow_regression" if found["allowed"]
+                    else "no regression", regression.table(found))
+        final = published_manifest(manifest, summary, found)
+        return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
+
+    def publish(target) -> dict:
+        return publish_version(target, version, cfg.variant.name, prepare, manifest["fingerprint"], pub.repo_id,
+                               pub.overwrite)
+
     if pub.target == "local":
         repo_dir = paths.root / pub.local_dir
         repo_dir.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
-            result = publish_version(LocalRepo(repo_dir), version, cfg.variant.name, files, final, pub.repo_id,
-                                     pub.overwrite)
+            result = publish(LocalRepo(repo_dir))
         where = str(repo_dir.resolve())
     else:
         from pipeline import hub
 
         target = hub.HubTarget(pub.repo_id, pub.private)
-        result = hub.with_retries(
-            lambda: publish_version(target, version, cfg.variant.name, files, final, pub.repo_id, pub.overwrite),
-            f"publishing {version} to {pub.repo_id}", pub.retries, pub.retry_base_s, pub.retry_max_s)
+        result = hub.with_retries(lambda: publish(target), f"publishing {version} to {pub.repo_id}", pub.retries,
+                                  pub.retry_base_s, pub.retry_max_s)
         where = pub.repo_id
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
         "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],

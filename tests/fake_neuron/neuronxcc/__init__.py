@@ -1,3 +1,8 @@
-"""Test stand-in for neuronx-cc's Python package: only its version (see tests/fake_neuron/README.md)."""
+"""Test stand-in for neuronx-cc's Python package: only its version (see tests/fake_neuron/README.md).
 
-__version__ = "9.9.9.9+fa4e0000"
+FAKE_NEURONX_CC_VERSION lets a test simulate a compiler upgrade.
+"""
+
+import os
+
+__version__ = os.environ.get("FAKE_NEURONX_CC_VERSION", "9.9.9.9+fa4e0000")

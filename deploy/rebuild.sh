@@ -1,0 +1,66 @@
+#!/bin/sh
+# Scheduled rebuild of every variant when the Neuron compiler stack has a new release.
+#
+# Run from a checkout on an inf2 host (the GitHub Actions workflow and the systemd service both call this):
+#   1. dvc pull      restore the last build's outputs from the DVC remote, so unchanged stages are not rebuilt;
+#   2. check-upgrades: exit 0 up to date, 3 an upgrade is available, anything else an error (stop here);
+#   3. on 3 (and UPGRADE=apply, the default) `check-upgrades --apply` installs the new versions and runs
+#      `dvc repro`; on 0, `dvc repro` alone (only the toolchain stage runs unless conf/, code or variants changed);
+#      either way every rebuilt variant is traced, packaged, validated, regression-gated and published;
+#   4. dvc push      store the new outputs in the DVC remote for the next run and for other hosts.
+#
+# Settings (environment):
+#   UPGRADE=apply|check   apply (default) installs upgrades; check only reports them and builds nothing new
+#   CHECK_ARGS="..."      extra arguments for check-upgrades (index options: --index-url, --extra-index-url, ...)
+#   REPRO_ARGS="..."      extra arguments for dvc repro when no upgrade is applied (e.g. --force)
+#   SKIP_DVC_REMOTE=1     no dvc pull / dvc push (no remote configured)
+# Exit status: 0 when the build (if any) and the push succeeded, otherwise the failing step's status.
+set -eu
+
+cd "${REPO_DIR:-$(dirname "$0")/..}"
+if [ -f .venv/bin/activate ]; then
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
+
+log() { echo "rebuild: $*" >&2; }
+
+UPGRADE=${UPGRADE:-apply}
+case "$UPGRADE" in
+    apply|check) ;;
+    *) log "UPGRADE=$UPGRADE is not a choice: use UPGRADE=apply or UPGRADE=check"; exit 2 ;;
+esac
+
+if [ "${SKIP_DVC_REMOTE:-0}" != 1 ]; then
+    # A first run has nothing on the remote yet; missing outputs are rebuilt by dvc repro.
+    dvc pull --allow-missing || log "dvc pull did not restore everything; dvc repro rebuilds what is missing"
+fi
+
+status=0
+# shellcheck disable=SC2086
+python -m pipeline check-upgrades ${CHECK_ARGS:-} || status=$?
+case "$status" in
+    0)
+        log "the Neuron compiler stack is up to date; dvc repro rebuilds only what changed"
+        # shellcheck disable=SC2086
+        dvc repro ${REPRO_ARGS:-}
+        ;;
+    3)
+        if [ "$UPGRADE" = check ]; then
+            log "an upgrade is available (UPGRADE=check: not applied)"
+            exit 3
+        fi
+        log "upgrading and rebuilding every variant"
+        # shellcheck disable=SC2086
+        python -m pipeline check-upgrades --apply ${CHECK_ARGS:-}
+        ;;
+    *)
+        log "check-upgrades failed with status $status; nothing was built"
+        exit "$status"
+        ;;
+esac
+
+if [ "${SKIP_DVC_REMOTE:-0}" != 1 ]; then
+    dvc push
+fi
+log "done"

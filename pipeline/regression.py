@@ -1,0 +1,85 @@
+"""The regression gate: a rebuild goes out only if it is no worse than the version of the same variant published
+before it (what the target's head holds in ``<variant>/manifest.json``: the last version published there).
+
+Compared, from the validation summaries both manifests carry: parity must still pass on at least as many prompts,
+and its teacher-forced match may fall by at most ``teacher_forced_drop``; decode tokens/s (the slowest context) may
+fall by at most ``tokens_per_s_drop`` and time to first token rise by at most ``ttft_ms_rise`` (fractions of the
+previous figures). Throughput is compared only between builds measured on the same backend and hardware, and only for
+the backends in ``throughput_backends`` (by default neuron: the cpu backend's timings swing with the machine's
+load); other pairs are recorded as not comparable. The outcome, every row, is recorded in the published manifest
+(``regression``), including when ``publish.allow_regression=true`` let a regression through.
+"""
+
+from __future__ import annotations
+
+from pipeline.errors import PublishError
+
+
+def _row(check: str, previous, current, limit, passed: bool) -> dict:
+    change = None
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (previous, current))
+    if numbers and previous:
+        change = round((current - previous) / previous, 4)
+    return {"check": check, "previous": previous, "current": current, "change": change, "limit": limit,
+            "passed": bool(passed)}
+
+
+def compare(previous: dict, current: dict, tolerances) -> dict:
+    """Rows comparing two validation summaries (``manifest["validation"]``), and the verdict."""
+    prev_parity, cur_parity = previous["parity"], current["parity"]
+    rows = [
+        _row("parity passed", prev_parity["passed"], cur_parity["passed"], "must pass",
+             cur_parity["passed"] or not prev_parity["passed"]),
+        _row("prompts matched", prev_parity["prompts_matched"], cur_parity["prompts_matched"], ">= previous",
+             cur_parity["prompts_matched"] >= prev_parity["prompts_matched"]),
+    ]
+    prev_tf, cur_tf = prev_parity.get("teacher_forced_match"), cur_parity.get("teacher_forced_match")
+    if prev_tf is not None and cur_tf is not None:
+        floor = round(prev_tf - tolerances.teacher_forced_drop, 4)
+        rows.append(_row("teacher-forced match", prev_tf, cur_tf, f">= {floor}", cur_tf >= floor))
+    comparable = ((previous.get("backend"), previous.get("hardware")) == (current.get("backend"),
+                                                                          current.get("hardware"))
+                  and current.get("backend") in tolerances.throughput_backends)
+    if comparable:
+        prev_tps, cur_tps = previous["throughput"]["tokens_per_s"], current["throughput"]["tokens_per_s"]
+        least = round(prev_tps * (1 - tolerances.tokens_per_s_drop), 3)
+        rows.append(_row("decode tokens/s", prev_tps, cur_tps, f">= {least}", cur_tps >= least))
+        prev_ttft, cur_ttft = previous["throughput"]["ttft_ms"], current["throughput"]["ttft_ms"]
+        most = round(prev_ttft * (1 + tolerances.ttft_ms_rise), 3)
+        rows.append(_row("time to first token ms", prev_ttft, cur_ttft, f"<= {most}", cur_ttft <= most))
+    return {"comparable_throughput": comparable, "checks": rows, "passed": all(r["passed"] for r in rows)}
+
+
+def table(result: dict) -> str:
+    lines = [f"  {'check':<24} {'previous':>12} {'current':>12} {'change':>8}  {'limit':<14} result"]
+    for r in result["checks"]:
+        change = "" if r["change"] is None else f"{100 * r['change']:+.1f}%"
+        lines.append(f"  {r['check']:<24} {r['previous']!s:>12} {r['current']!s:>12} {change:>8}  "
+                     f"{r['limit']!s:<14} {'ok' if r['passed'] else 'REGRESSED'}")
+    if not result["comparable_throughput"]:
+        lines.append("  throughput not compared: the builds were measured on different backends or hardware, or on a "
+                     "backend outside publish.regression.throughput_backends")
+    return "\n".join(lines)
+
+
+def gate(previous_manifest: dict | None, version: str, fingerprint: str, summary: dict, tolerances,
+         allow: bool) -> dict | None:
+    """The regression record for the manifest, or None when there is nothing to compare with.
+
+    Raises ``PublishError`` with the table when the rebuild regressed and ``allow`` is off.
+    """
+    if not previous_manifest or "validation" not in previous_manifest:
+        return None
+    if previous_manifest.get("fingerprint") == fingerprint:
+        # An earlier attempt of this very publish landed (its answer was lost): keep the record it made, so the
+        # retry sends the same bytes and makes no second commit.
+        return previous_manifest.get("regression")
+    result = compare(previous_manifest["validation"], summary, tolerances)
+    record = {"against": previous_manifest.get("version"), "against_fingerprint": previous_manifest.get("fingerprint"),
+              **result, "allowed": bool(allow and not result["passed"])}
+    if not result["passed"] and not allow:
+        raise PublishError(f"{version} regressed against {record['against']}, the last published version of this "
+                           f"variant:\n{table(result)}\nNothing was published. publish.allow_regression=true "
+                           "publishes it anyway (recorded in its manifest); the tolerances are "
+                           "publish.regression.*")
+    return record

@@ -1,0 +1,290 @@
+"""``python -m pipeline schedule [OVERRIDE ...]``: build many variants at once on one host, as many as its memory
+allows.
+
+Each variant is three tasks, run in order: **build** (trace, package), **validate**, **publish**. A task starts when
+its variant's previous task has finished and the host has room for it:
+
+- memory: its declared need (``model.resources.<backend>``: the trace need for build, the validate need for
+  validate, as the preflight computes them) fits in what running tasks leave of the budget (usable RAM + swap,
+  measured as the preflight does, or ``--memory-gib``);
+- cores: at most ``--jobs`` tasks at once (default: one per CPU core);
+- NeuronCores: a neuron validate holds ``tp_degree`` of them (the host's free ones, from ``neuron-ls``);
+- publish: one at a time (variants share one repository);
+- with ``--quiet-validate`` (the default for the neuron backend), a validate runs with nothing else, so the
+  throughput it measures (and the regression gate compares) is not disturbed by compiles running beside it. The cpu
+  backend's figures are reference figures, not release ones: its validations overlap other work unless asked.
+
+Validate and publish go before new builds, so variants finish early. The shared stages (toolchain, model, reference)
+run first, once. A task that cannot fit even on an idle host runs alone, and its own preflight explains the
+shortfall. A failed task stops its variant, not the others.
+
+Tasks run in processes forked from this one (no interpreter start-up per task), each writing its log to
+``<artifacts_dir>/logs/schedule/<variant>.<task>.log``; every stage takes its usual lock, so a scheduled build can
+share ``artifacts_dir`` with other runs. Prints a table of what ran; exits 1 if any variant failed.
+
+    python -m pipeline schedule backend=cpu                      # every variant in conf/variant/
+    python -m pipeline schedule --variants 512_bf16,2048_bf16 model=gemma4_e4b hardware=inf2_8xlarge
+    python -m pipeline schedule --dry-run model=gemma4_e4b       # the needs and the budget, nothing run
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from pipeline.log import log
+
+PHASES = (("build", ("trace", "package")), ("validate", ("validate",)), ("publish", ("publish",)))
+PRIORITY = {"publish": 0, "validate": 1, "build": 2}  # finish started variants before starting new ones
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Task:
+    variant: str
+    name: str  # build | validate | publish
+    stages: tuple[str, ...]
+    memory: int = 0  # bytes it may use at its peak
+    neuron_cores: int = 0
+    exclusive: bool = False  # runs with no other exclusive task (publishing into one repository)
+    alone: bool = False  # runs with nothing else at all (a throughput measurement on a quiet host)
+
+
+@dataclass(frozen=True)
+class Budget:
+    memory: int
+    slots: int  # tasks at once
+    neuron_cores: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.memory / GIB:.1f} GiB of RAM + swap, {self.slots} task(s) at once, "
+                f"{self.neuron_cores} free NeuronCore(s)")
+
+
+def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: int,
+                  quiet_validate: bool = False) -> list[Task]:
+    """The three tasks of one variant, with what each needs."""
+    from pipeline import preflight
+
+    build = preflight.trace_need(resources, backend, shape, max_parallel, [])
+    check = preflight.validate_need(resources, backend, shape)
+    stages = dict(PHASES)
+    return [Task(variant, "build", stages["build"], build.memory),
+            Task(variant, "validate", stages["validate"], check.memory, check.neuron_cores, alone=quiet_validate),
+            Task(variant, "publish", stages["publish"], 0, 0, exclusive=True)]
+
+
+def fits(task: Task, running: list[Task], budget: Budget) -> bool:
+    if running and (task.alone or any(t.alone for t in running)):
+        return False
+    return (len(running) < budget.slots
+            and sum(t.memory for t in running) + task.memory <= budget.memory
+            and sum(t.neuron_cores for t in running) + task.neuron_cores <= budget.neuron_cores
+            and not (task.exclusive and any(t.exclusive for t in running)))
+
+
+def choose(ready: list[Task], running: list[Task], budget: Budget) -> list[Task]:
+    """The ready tasks to start now: first fit, validate and publish before builds. On an idle host the first ready
+    task starts even if it does not fit (its preflight then says why it cannot run)."""
+    chosen: list[Task] = []
+    for task in sorted(ready, key=lambda t: PRIORITY[t.name]):
+        if fits(task, running + chosen, budget):
+            chosen.append(task)
+    if not chosen and not running and ready:
+        chosen.append(min(ready, key=lambda t: PRIORITY[t.name]))
+    return chosen
+
+
+@dataclass
+class Outcome:
+    task: Task
+    ok: bool
+    started: float
+    seconds: float
+
+
+@dataclass
+class Scheduler:
+    """Runs every variant's tasks in order through ``runner`` (``start(task)``; ``wait() -> (task, ok)``)."""
+
+    budget: Budget
+    runner: object
+    outcomes: list[Outcome] = field(default_factory=list)
+    peak_memory: int = 0
+    peak_tasks: int = 0
+
+    def run(self, plans: list[list[Task]], clock=time.monotonic) -> list[Outcome]:
+        queues = [deque(plan) for plan in plans]
+        running: dict[Task, float] = {}
+        while any(queues) or running:
+            busy = {t.variant for t in running}
+            ready = [q[0] for q in queues if q and q[0].variant not in busy]
+            for task in choose(ready, list(running), self.budget):
+                queues[[q[0] if q else None for q in queues].index(task)].popleft()
+                log.info("schedule: start %s %s (needs %.1f GiB)", task.variant, task.name, task.memory / GIB)
+                self.runner.start(task)
+                running[task] = clock()
+            self.peak_memory = max(self.peak_memory, sum(t.memory for t in running))
+            self.peak_tasks = max(self.peak_tasks, len(running))
+            task, ok = self.runner.wait()
+            started = running.pop(task)
+            self.outcomes.append(Outcome(task, ok, started, clock() - started))
+            log.info("schedule: %s %s %s in %.1f s", task.variant, task.name, "done" if ok else "FAILED",
+                     clock() - started)
+            if not ok:
+                for q in queues:
+                    if q and q[0].variant == task.variant:
+                        q.clear()  # the rest of this variant depends on what failed
+        return self.outcomes
+
+
+# -- running tasks in forked processes -------------------------------------------------------------------------------
+
+def _task_main(cfg, stages: tuple[str, ...], log_path: str) -> None:
+    from pipeline.__main__ import run_pipeline
+    from pipeline.errors import PipelineError
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        for stage in stages:
+            cfg.stage = stage
+            run_pipeline(cfg)
+    except PipelineError as exc:
+        log.error("%s", exc)
+        sys.exit(1)
+
+
+class ForkRunner:
+    """Each task in a process forked from the scheduler (which has imported everything once already)."""
+
+    def __init__(self, configs: dict, log_dir: Path):
+        self.configs, self.log_dir = configs, log_dir
+        self.ctx = mp.get_context("fork")
+        self.procs: dict = {}
+
+    def start(self, task: Task) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{task.variant}.{task.name}.log"
+        proc = self.ctx.Process(target=_task_main, args=(self.configs[task.variant], task.stages, str(log_path)),
+                                name=f"{task.variant}.{task.name}")
+        proc.start()
+        self.procs[proc.sentinel] = (task, proc)
+
+    def wait(self) -> tuple[Task, bool]:
+        sentinel = wait(list(self.procs))[0]
+        task, proc = self.procs.pop(sentinel)
+        proc.join()
+        if proc.exitcode != 0:
+            log.error("schedule: %s %s failed (exit %s); its log: %s", task.variant, task.name, proc.exitcode,
+                      self.log_dir / f"{task.variant}.{task.name}.log")
+        return task, proc.exitcode == 0
+
+    def stop(self) -> None:
+        for _, proc in self.procs.values():
+            proc.kill()
+            proc.join()
+
+
+# -- the command ----------------------------------------------------------------------------------------------------
+
+def compose(variant: str | None, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from pipeline.__main__ import CONF_DIR
+    from pipeline.config import load_config
+
+    args = ([f"+variant={variant}"] if variant else []) + overrides
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_config(hydra_compose(config_name="config", overrides=args), variant)
+
+
+def measure_budget(backend: str, jobs: int | None, memory_gib: float | None) -> Budget:
+    from pipeline import preflight
+
+    res = preflight.measure([], with_neuron=backend == "neuron")
+    memory = int(memory_gib * GIB) if memory_gib is not None else res.usable_memory
+    free_cores = max(0, (res.neuron_cores or 0) - res.neuron_cores_busy)
+    return Budget(memory, jobs or os.cpu_count() or 1, free_cores)
+
+
+def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
+    lines = [f"  {'variant':<16} {'task':<9} {'result':<7} {'seconds':>8}"]
+    for o in sorted(outcomes, key=lambda o: (variants.index(o.task.variant), o.started)):
+        lines.append(f"  {o.task.variant:<16} {o.task.name:<9} {'ok' if o.ok else 'FAILED':<7} {o.seconds:>8.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.__main__ import CONF_DIR, run_pipeline
+    from pipeline.backends import resolve
+    from pipeline.config import SHARED_STAGES, available_variants
+    from pipeline.errors import ConfigError, PipelineError
+    from pipeline.log import quiet_third_party
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every variant (backend=cpu model=...)")
+    parser.add_argument("--variants", help="comma-separated variant names (default: every file in conf/variant/)")
+    parser.add_argument("--jobs", type=int, help="tasks at once (default: one per CPU core)")
+    parser.add_argument("--memory-gib", type=float, help="memory budget (default: this host's RAM + swap)")
+    parser.add_argument("--quiet-validate", action=argparse.BooleanOptionalAction, default=None,
+                        help="validate with nothing else running, so throughput figures compare across builds "
+                             "(default: on for the neuron backend, off for cpu)")
+    parser.add_argument("--dry-run", action="store_true", help="print the tasks, their needs and the budget")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_third_party()
+    known = available_variants(CONF_DIR)
+    variants = args.variants.split(",") if args.variants else known
+    try:
+        unknown = [v for v in variants if v not in known]
+        if unknown:
+            raise ConfigError(f"--variants {unknown} are not in conf/variant/ ({', '.join(known)})")
+        if any(o.startswith(("+variant", "variant=", "stage=")) for o in args.overrides):
+            raise ConfigError("the scheduler picks variants and stages itself: use --variants, not +variant/stage=")
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError(f"--jobs={args.jobs} must be at least 1")
+        configs = {v: compose(v, list(args.overrides)) for v in variants}  # every config checked before any work
+        first = configs[variants[0]]
+        backend = resolve(first.backend.name)
+        quiet = backend == "neuron" if args.quiet_validate is None else args.quiet_validate
+        plans = [variant_tasks(v, backend, c.variant.shape, c.model.resources.get(backend), c.backend.max_parallel,
+                               quiet) for v, c in configs.items()]
+        budget = measure_budget(backend, args.jobs, args.memory_gib)
+        log.info("schedule: %d variants on %s; budget %s", len(variants), backend, budget.describe())
+        for plan in plans:
+            log.info("schedule: %s needs %s", plan[0].variant,
+                     ", ".join(f"{t.name} {t.memory / GIB:.1f} GiB" for t in plan))
+        if args.dry_run:
+            return 0
+        shared = compose(None, list(args.overrides))
+        for stage in SHARED_STAGES:
+            shared.stage = stage
+            run_pipeline(shared)
+        runner = ForkRunner(configs, first.root / "logs" / "schedule")
+        scheduler = Scheduler(budget, runner)
+        try:
+            outcomes = scheduler.run(plans)
+        finally:
+            runner.stop()
+    except PipelineError as exc:
+        log.error("%s", exc)
+        return 1
+    failed = sorted({o.task.variant for o in outcomes if not o.ok})
+    log.info("schedule: at most %d task(s) and %.1f GiB declared at once\n%s", scheduler.peak_tasks,
+             scheduler.peak_memory / GIB, summary_table(outcomes, variants))
+    if failed:
+        log.error("schedule: %d variant(s) failed: %s", len(failed), ", ".join(failed))
+        return 1
+    return 0

@@ -1,0 +1,207 @@
+"""Rebuilding at scale: the regression gate between two builds, the scheduler's decisions for given budgets, and a
+multirun on the joblib launcher sharing one artifacts directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import regression
+from pipeline.backends.base import BuildShape
+from pipeline.config import RegressionConfig, ResourceNeed
+from pipeline.errors import PublishError
+from pipeline.schedule import Budget, Scheduler, Task, choose, variant_tasks
+
+from .helpers import FAST_VALIDATE, config, run
+
+GIB = 1 << 30
+E4B_NEURON = ResourceNeed(trace_base_gb=20, trace_per_graph_gb=80, validate_gb=15, host_prefill_gb=17, disk_gb=120)
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- the regression gate ---------------------------------------------------------------------------------------------
+
+def summary(tokens_per_s: float, ttft_ms: float, matched: int = 2, tf: float | None = 0.97,
+            hardware: str = "inf2_8xlarge") -> dict:
+    return {"parity": {"mode": "logits", "passed": True, "prompts": 2, "prompts_matched": matched,
+                       "teacher_forced_match": tf, "max_abs_dlogit": 0.5},
+            "throughput": {"tokens_per_s": tokens_per_s, "ttft_ms": ttft_ms}, "backend": "neuron",
+            "hardware": hardware}
+
+
+def test_regression_rows_and_verdicts():
+    tol = RegressionConfig()
+    same = regression.compare(summary(36.0, 120.0), summary(35.0, 130.0), tol)
+    assert same["passed"] and [r["check"] for r in same["checks"]] == [
+        "parity passed", "prompts matched", "teacher-forced match", "decode tokens/s", "time to first token ms"]
+    slower = regression.compare(summary(36.0, 120.0), summary(30.0, 120.0), tol)
+    row = next(r for r in slower["checks"] if r["check"] == "decode tokens/s")
+    assert not slower["passed"] and not row["passed"] and row["change"] == -0.1667 and row["limit"] == ">= 32.4"
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 150.0), tol)["passed"]  # first token +25 %
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, tf=0.94), tol)["passed"]
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, matched=1), tol)["passed"]
+    other = regression.compare(summary(36.0, 120.0), summary(3.0, 900.0, hardware="inf2_xlarge"), tol)
+    assert other["passed"] and not other["comparable_throughput"]  # not measured alike: throughput not compared
+    assert "different backends or hardware" in regression.table(other)
+    cpu = {**summary(3.0, 900.0), "backend": "cpu"}
+    assert regression.compare({**summary(36.0, 120.0), "backend": "cpu"}, cpu, tol)["comparable_throughput"] is False
+
+
+def test_the_gate_refuses_or_records_an_allowed_regression():
+    previous = {"version": "2048_bf16-ncc2.23.6484.0", "fingerprint": "f" * 64, "validation": summary(36.0, 120.0)}
+    with pytest.raises(PublishError, match=r"(?s)regressed against 2048_bf16-ncc2.23.6484.0.*decode tokens/s.*"
+                                           r"REGRESSED.*publish.allow_regression=true"):
+        regression.gate(previous, "2048_bf16-ncc2.24.0.0", "a" * 64, summary(20.0, 120.0), RegressionConfig(), False)
+    record = regression.gate(previous, "2048_bf16-ncc2.24.0.0", "a" * 64, summary(20.0, 120.0), RegressionConfig(),
+                             True)
+    assert record["allowed"] and not record["passed"] and record["against"] == "2048_bf16-ncc2.23.6484.0"
+    assert regression.gate(None, "v", "a" * 64, summary(1.0, 1.0), RegressionConfig(), False) is None  # the first
+    # An earlier attempt of this very publish (same fingerprint) is not a previous version: its record is kept.
+    landed = previous | {"regression": record}
+    assert regression.gate(landed, "v", "f" * 64, summary(1.0, 1.0), RegressionConfig(), False) == record
+
+
+def _tags(root: Path) -> list[str]:
+    return subprocess.run(["git", "tag"], cwd=root / "published", capture_output=True, text=True).stdout.split()
+
+
+def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
+    cfg = config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]")
+    run(cfg)
+    first = "512_fp32-cpu-torch2.13.0"
+    assert _tags(tmp_path) == [first]
+    # A toolchain upgrade, simulated: the record names another torch, so the next build has another version name.
+    toolchain = json.loads((tmp_path / "toolchain.json").read_text())
+    toolchain["packages"]["torch"]["version"] = "2.13.1+cpu"
+    (tmp_path / "toolchain.json").write_text(json.dumps(toolchain))
+    for stage in ("trace", "package", "validate"):
+        run(cfg, stage)
+    metrics_path = tmp_path / "gemma4_tiny" / "512_fp32" / "metrics.json"
+    measured = metrics_path.read_text()
+    slower = json.loads(measured)
+    slower["throughput"]["tokens_per_s"] /= 2  # as if the new compiler's code were half as fast
+    metrics_path.write_text(json.dumps(slower))
+    with pytest.raises(PublishError, match=rf"(?s)512_fp32-cpu-torch2.13.1 regressed against {first}.*decode "
+                                           r"tokens/s [^\n]*REGRESSED"):
+        run(cfg, "publish")
+    assert _tags(tmp_path) == [first]  # nothing published
+    metrics_path.write_text(measured)
+    # The honest figures, with tolerances wide enough for a shared 2-core machine's timing noise.
+    run(config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]",
+               "publish.regression.tokens_per_s_drop=0.9",
+               "publish.regression.ttft_ms_rise=10"), "publish")
+    assert sorted(_tags(tmp_path)) == [first, "512_fp32-cpu-torch2.13.1"]
+    published = subprocess.run(["git", "show", "512_fp32-cpu-torch2.13.1:512_fp32/manifest.json"],
+                               cwd=tmp_path / "published", capture_output=True, text=True, check=True).stdout
+    record = json.loads(published)["regression"]
+    assert record["against"] == first and record["passed"] and not record["allowed"]
+
+
+# -- the scheduler's decisions ------------------------------------------------------------------------------------
+
+class SimulatedRunner:
+    """Tasks that take fixed times on a simulated clock."""
+
+    def __init__(self, seconds: dict[str, float], failing: tuple[tuple[str, str], ...] = ()):
+        self.seconds, self.failing = seconds, failing
+        self.now, self.finishing, self.starts = 0.0, {}, []
+
+    def start(self, task: Task) -> None:
+        self.finishing[task] = self.now + self.seconds[task.name]
+        self.starts.append((self.now, task, tuple(self.finishing)))
+
+    def wait(self) -> tuple[Task, bool]:
+        task = min(self.finishing, key=self.finishing.get)
+        self.now = self.finishing.pop(task)
+        return task, (task.variant, task.name) not in self.failing
+
+    def clock(self) -> float:
+        return self.now
+
+
+def e4b_plans(names: list[str], quiet: bool = False) -> list[list[Task]]:
+    shapes = {"2048_bf16": BuildShape(2048, 512, "bf16", "device", 2), "512_bf16": BuildShape(512, 128, "bf16",
+              "device", 2), "2048_bf16_host": BuildShape(2048, 512, "bf16", "host", 2)}
+    return [variant_tasks(n, "neuron", shapes[n], E4B_NEURON, 0, quiet) for n in names]
+
+
+def simulate(plans, budget: Budget, failing=()) -> tuple[Scheduler, SimulatedRunner]:
+    runner = SimulatedRunner({"build": 3600.0, "validate": 300.0, "publish": 60.0}, failing)
+    scheduler = Scheduler(budget, runner)
+    scheduler.run(plans, clock=runner.clock)
+    return scheduler, runner
+
+
+def test_an_inf2_8xlarge_with_swap_compiles_one_e4b_variant_at_a_time():
+    # 125 GiB RAM + 75 GiB swap: one 180 GiB compile fits, two do not; a validate (15 GiB) fits beside a compile.
+    scheduler, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(200 * GIB, 32, 2))
+    assert scheduler.peak_memory <= 200 * GIB
+    builds = [(t, task.variant) for t, task, _ in runner.starts if task.name == "build"]
+    assert builds == [(0.0, "2048_bf16"), (3600.0, "512_bf16")]
+    # 2048_bf16 validates while 512_bf16 compiles.
+    assert any({t.name for t in running} == {"validate", "build"} for _, _, running in runner.starts)
+    assert all(o.ok for o in scheduler.outcomes) and len(scheduler.outcomes) == 6
+    # With 64 GiB of swap (189 in all) even a validate does not fit beside a compile: the next compile waits.
+    tight, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(189 * GIB, 32, 2))
+    assert tight.peak_memory == 180 * GIB  # a publish (no memory) may run beside a compile, a validate not
+    assert [(t, task.variant) for t, task, _ in runner.starts if task.name == "build"] == [
+        (0.0, "2048_bf16"), (3900.0, "512_bf16")]  # after 2048_bf16's validate (3600-3900)
+
+
+def test_more_memory_compiles_more_variants_at_once_and_cores_cap_them():
+    scheduler, _ = simulate(e4b_plans(["2048_bf16", "512_bf16", "2048_bf16_host"]), Budget(768 * GIB, 192, 12))
+    assert scheduler.peak_tasks == 3 and scheduler.peak_memory == 3 * 180 * GIB
+    capped, _ = simulate(e4b_plans(["2048_bf16", "512_bf16", "2048_bf16_host"]), Budget(768 * GIB, 2, 12))
+    assert capped.peak_tasks == 2
+
+
+def test_neuroncores_and_quiet_validation_serialise_what_must_run_alone():
+    scheduler, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"], quiet=True), Budget(768 * GIB, 32, 2))
+    for _, task, running in runner.starts:
+        if task.name == "validate":
+            assert running == (task,)  # nothing else ran while it measured
+    two_cores = [t for t in e4b_plans(["2048_bf16", "512_bf16"])]
+    validates = [plan[1] for plan in two_cores]
+    assert choose(validates, [], Budget(768 * GIB, 32, 2)) == validates[:1]  # 2 NeuronCores: one validate at a time
+
+
+def test_a_task_too_big_for_the_host_runs_alone_and_a_failure_stops_only_its_variant():
+    big = e4b_plans(["2048_bf16"])[0]
+    assert choose([big[0]], [], Budget(100 * GIB, 32, 2)) == [big[0]]  # idle host: its preflight will say why
+    assert choose([big[0]], [big[1]], Budget(100 * GIB, 32, 2)) == []
+    scheduler, _ = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(400 * GIB, 32, 2),
+                            failing=(("2048_bf16", "build"),))
+    ran = {(o.task.variant, o.task.name): o.ok for o in scheduler.outcomes}
+    assert ran == {("2048_bf16", "build"): False, ("512_bf16", "build"): True, ("512_bf16", "validate"): True,
+                   ("512_bf16", "publish"): True}
+
+
+def test_the_schedule_command_reports_needs_and_budget(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--dry-run", "--memory-gib", "189",
+                          "--variants", "2048_bf16,2048_bf16_host", "model=gemma4_e4b", "backend=neuron",
+                          f"artifacts_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "budget 189.0 GiB of RAM + swap" in out.stderr
+    assert "2048_bf16 needs build 180.0 GiB, validate 15.0 GiB" in out.stderr
+    assert "2048_bf16_host needs build 180.0 GiB, validate 32.0 GiB" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--variants", "9999_bf16"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "--variants ['9999_bf16'] are not in conf/variant/" in bad.stderr
+
+
+# -- Hydra's launchers (a joblib sweep through DVC: tests/test_dvc.py) -------------------------------------------------
+
+def test_the_inf2_slurm_launcher_composes_over_submitit():
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "hydra/launcher=inf2_slurm",
+                           "hydra.launcher.partition=inf2", "+variant=512_bf16", "--cfg", "hydra"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    launcher = yaml.safe_load(proc.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher["partition"] == "inf2" and launcher["cpus_per_task"] == 32 and launcher["nodes"] == 1
+    assert launcher["additional_parameters"] == {"exclusive": True}
