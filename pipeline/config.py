@@ -7,6 +7,7 @@ It raises one ``ConfigError`` listing every problem, before any stage does any w
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,14 +306,43 @@ def _type_error_message(exc: OmegaConfBaseException) -> str:
     return f"{key}: {text}"
 
 
+MAX_TYPE_ERRORS = 50  # reported at once; a config with more is hopeless anyway
+
+
 def structured(cfg: DictConfig | dict) -> PipelineConfig:
-    """Merge into the schema and convert to dataclasses; type errors become ``ConfigError``."""
-    schema = OmegaConf.structured(PipelineConfig)
-    try:
-        merged = OmegaConf.merge(schema, cfg)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_type_error_message(exc)) from None
+    """Merge into the schema and convert to dataclasses.
+
+    Every type error and unknown key becomes one line of a ``ConfigError``, together with the semantic problems of
+    the rest of the config (each bad key is dropped in turn, its default standing in), so one run names them all.
+    """
+    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
+    found: list[str] = []
+    typed = None
+    for _ in range(MAX_TYPE_ERRORS):
+        try:
+            typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+            break
+        except OmegaConfBaseException as exc:
+            found.append(_type_error_message(exc))
+            if not _drop_key(data, getattr(exc, "full_key", None)):
+                break
+    if found:
+        raise ConfigError(found + (problems(typed) if typed is not None else []))
+    return typed
+
+
+def _drop_key(data: dict, full_key: str | None) -> bool:
+    """Remove dotted ``full_key`` from ``data``; False when it cannot be found (a list element, say)."""
+    if not full_key or "[" in full_key:
+        return False
+    *parents, last = full_key.split(".")
+    node = data
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return False
+    del node[last]
+    return True
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> list[str]:

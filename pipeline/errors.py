@@ -47,3 +47,7 @@ class PreflightError(PipelineError):
 
 class PublishError(PipelineError):
     """Publishing was refused or failed. The local artifacts are untouched."""
+
+
+class DiskFullError(PipelineError):
+    """A write ran out of space (or hit the file size limit). Nothing was kept under its final name."""

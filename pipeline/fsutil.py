@@ -6,9 +6,11 @@ Every stage writes through these so that no output ever sits half-written under 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import resource
 import shutil
 import tempfile
 import uuid
@@ -146,3 +148,42 @@ def clean_stale_temps(directory: Path) -> list[Path]:
                     entry.unlink()
             removed.append(entry)
     return removed
+
+
+# A write that fails for want of room: the file system is full, the user's quota is used up, or the process may not
+# write a file that large (``ulimit -f``).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
+def space_report(path: str | os.PathLike, what: str, exc: BaseException) -> str:
+    """What failed, where, how much room there is, and what to do: the text of a ``DiskFullError``."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "unknown free space"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    size_limit = "" if limit == resource.RLIM_INFINITY else f"; files are limited to {limit} bytes (ulimit -f)"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+    return (f"{what}: out of space writing {path} ({reason}); the file system holding {where} has {free}"
+            f"{size_limit}. Nothing was kept under its final name: free some space (or move artifacts_dir=...) "
+            "and rerun")
+
+
+@contextlib.contextmanager
+def reporting_full_disk(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn a write that runs out of space inside the block into a ``DiskFullError`` saying where and how much."""
+    from pipeline.errors import DiskFullError
+
+    try:
+        yield
+    except OSError as exc:
+        if is_out_of_space(exc):
+            raise DiskFullError(space_report(path, what, exc)) from exc
+        raise

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from pipeline.errors import PublishError
+from pipeline.fsutil import CHUNK
 
 GIT_IDENTITY = ["-c", "user.name=gemma4-neuron-pipeline", "-c", "user.email=pipeline@localhost",
                 "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]
@@ -82,9 +83,17 @@ class LocalRepo:
 
     def checkout_file(self, revision: str, path: str, dest: Path) -> None:
         """Stream one file of ``revision`` to ``dest`` (archives can be many GB: never held in memory)."""
-        with open(dest, "wb") as out:
-            proc = subprocess.run(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path, stdout=out,
-                                  stderr=subprocess.PIPE)
+        # Copied through this process, so a full disk raises an OSError here (git would only exit non-zero).
+        with subprocess.Popen(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+            try:
+                with open(dest, "wb") as out:
+                    shutil.copyfileobj(proc.stdout, out, CHUNK)
+            except BaseException:
+                proc.kill()
+                dest.unlink(missing_ok=True)
+                raise
+            error = proc.stderr.read().decode().strip()
         if proc.returncode != 0:
             dest.unlink(missing_ok=True)
-            raise PublishError(f"{path} is not in {self.path} at {revision}: {proc.stderr.decode().strip()}")
+            raise PublishError(f"{path} is not in {self.path} at {revision}: {error}")

@@ -5,7 +5,8 @@ One lock per unit of output: ``toolchain``, ``<model>`` (the model and reference
 (trace, package, validate and publish of one variant). They are ``flock`` locks (``filelock``): the kernel releases
 a lock when its holder dies, however it dies, so a killed run never leaves a lock that blocks the next one; the lock
 file it leaves behind is reused. While a run holds a lock, ``<lock>.owner`` names it (pid, host, command), so a
-waiting run can say what it waits for.
+waiting run can say what it waits for; an ``.owner`` still naming someone when the lock is free was left by a killed
+run, and the run that takes the lock says it reclaimed it.
 
 Writes ``<artifacts_dir>/.locks/<name>.lock`` and ``.owner``.
 """
@@ -61,6 +62,10 @@ def held(root: Path, name: str, timeout_s: float | None = None) -> Iterator[None
             raise PipelineError(f"{name} is held by {owner_of(path)} for more than {timeout_s:.0f} s: wait for that "
                                 "run to finish (or stop it); a killed run releases its locks by itself") from None
         log.info("got %s after %.1f s", name, time.monotonic() - started)
+    left_by = path.with_suffix(".owner").read_text().strip() if path.with_suffix(".owner").exists() else ""
+    if left_by:
+        # A holder clears .owner when it lets go; one that did not was killed. The kernel released its flock.
+        log.warning("reclaimed lock %s from a run that ended without releasing it (%s)", name, left_by)
     try:
         path.with_suffix(".owner").write_text(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n")
         yield

@@ -19,11 +19,14 @@ def interactive() -> bool:
 def quiet_third_party() -> None:
     """Silence other libraries' progress bars and chatter unless on a terminal."""
     if not interactive():
+        # transformers reads this when it is imported; only a copy imported already needs telling (importing it here
+        # would cost every stage process a third of a second).
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        with contextlib.suppress(Exception):
-            from transformers.utils import logging as hf_logging
+        if "transformers" in sys.modules:
+            with contextlib.suppress(Exception):
+                from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+                hf_logging.disable_progress_bar()
     for name in ("transformers", "huggingface_hub", "torch.distributed", "filelock", "urllib3", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

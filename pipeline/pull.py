@@ -24,7 +24,7 @@ from pipeline import manifest as manifest_mod
 from pipeline import signing
 from pipeline.archive import extract_verified, verify_build
 from pipeline.errors import IntegrityError, PipelineError
-from pipeline.fsutil import temp_dir_beside
+from pipeline.fsutil import reporting_full_disk, temp_dir_beside
 from pipeline.localrepo import LocalRepo
 
 log = logging.getLogger("pipeline")
@@ -99,6 +99,12 @@ def pull(source, version: str, dest: Path, public_key: str | None, allow_unsigne
     files = source.files(commit)
     folder = variant_folder(files, version)
     dest.mkdir(parents=True, exist_ok=True)
+    with reporting_full_disk(dest, f"pull {version}"):
+        return _fetch_verified(source, version, commit, files, folder, dest, public_key, allow_unsigned)
+
+
+def _fetch_verified(source, version: str, commit: str, files: list[str], folder: str, dest: Path,
+                    public_key: str | None, allow_unsigned: bool) -> Path:
     work = temp_dir_beside(dest / ".pull")
     try:
         source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")

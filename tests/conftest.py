@@ -71,3 +71,14 @@ def hf_reference(hf_model, prompts):
                                 return_dict_in_generate=True)
         out.append((gen.sequences[0, len(ids):].tolist(), torch.stack(gen.logits)[:, 0].float()))
     return out
+
+
+@pytest.fixture(scope="session")
+def validated_512_fp32(tmp_path_factory) -> Path:
+    """A healthy 512_fp32 build of the tiny model, traced, packaged, validated (tests.helpers.FAST_VALIDATE) and
+    published to the local target. Shared: a test that changes anything works on a copy."""
+    from .helpers import FAST_VALIDATE, config, run
+
+    root = tmp_path_factory.mktemp("validated") / "artifacts"
+    run(config(root, *FAST_VALIDATE))
+    return root

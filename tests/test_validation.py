@@ -21,11 +21,9 @@ MODES = ("exact", "teacher_forced", "logits")
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A healthy 512_fp32 build of the tiny model, validated and published."""
-    root = tmp_path_factory.mktemp("validation") / "artifacts"
-    run(config(root, *FAST_VALIDATE))
-    return root
+def project(validated_512_fp32) -> Path:
+    """A healthy 512_fp32 build of the tiny model, validated and published (shared: read it, or clone_variant it)."""
+    return validated_512_fp32
 
 
 def clone_variant(project: Path, tmp_path: Path) -> Path:

@@ -14,6 +14,7 @@ Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -36,9 +37,9 @@ from pipeline.backends.base import (
     example_inputs,
     rank_members,
 )
-from pipeline.errors import BuildError, IntegrityError
-from pipeline.fsutil import sha256_file, staged_dir
-from pipeline.procinfo import peak_rss_bytes
+from pipeline.errors import BuildError, IntegrityError, PipelineError
+from pipeline.fsutil import reporting_full_disk, sha256_file, staged_dir
+from pipeline.procinfo import die_with_parent, peak_rss_bytes
 
 # Collectives in a saved rank name their process group; every process group this backend creates is the default
 # (WORLD) group, which torch names "0".
@@ -98,8 +99,11 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
             if "_cache_" in name:
                 buf.zero_()  # tracing ran the examples through the caches
     path = Path(out_dir) / f"tp_{rank}.pt"
-    torch.jit.save(traced, str(path))
-    with open(path, "rb") as f:
+    # Through a Python file: saving to a path aborts the whole process (C++ terminate) when a write fails, where a
+    # file object raises an OSError we can explain (a full disk, ulimit -f).
+    with reporting_full_disk(path, f"trace: rank {rank}"), open(path, "wb") as f:
+        torch.jit.save(traced, f)
+        f.flush()
         os.fsync(f.fileno())
     return {
         "rank": rank,
@@ -145,6 +149,7 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
 
 
 def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> None:
+    die_with_parent(parent=mp.parent_process().pid)  # never outlive a parent killed with SIGKILL
     try:
         torch.set_num_threads(_threads_per_rank(tp_degree))
         _init_group(rank, tp_degree, init_file)
@@ -153,7 +158,12 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> N
         else:
             _serve_rank(rank, job[1], conn)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        # A PipelineError already says what to do (no traceback). The parent may be gone (interrupted): no report.
+        report = str(exc)
+        if not isinstance(exc, PipelineError):
+            report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        with contextlib.suppress(OSError):
+            conn.send(("error", report))
     finally:
         if tp_degree > 1:
             import torch.distributed as dist
@@ -198,9 +208,10 @@ class RankGroup:
     def receive_all(self, timeout: float | None = None) -> list:
         """One reply from every rank, in rank order; raises ``BuildError`` naming the first rank that failed."""
         replies: dict[int, object] = {}
+        closed: set[int] = set()  # ranks whose pipe reached EOF: only their exit status is left to read
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(replies) < self.tp_degree:
-            pending = {self.conns[r]: r for r in range(self.tp_degree) if r not in replies}
+            pending = {self.conns[r]: r for r in range(self.tp_degree) if r not in replies and r not in closed}
             sentinels = {self.procs[r].sentinel: r for r in range(self.tp_degree) if r not in replies}
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(list(pending) + list(sentinels), timeout=left)
@@ -213,14 +224,17 @@ class RankGroup:
                     try:
                         status, payload = obj.recv()
                     except EOFError:
-                        continue  # the process died; its sentinel reports how
+                        closed.add(rank)  # the process died; its sentinel reports how
+                        continue
                     if status == "error":
                         self.terminate()
                         raise BuildError(f"rank {rank} failed: {payload}")
                     replies[rank] = payload
                 elif obj in sentinels:
                     rank = sentinels[obj]
-                    if rank in replies or self.conns[rank].poll():
+                    # A dead rank's last message may still be in its pipe: read that first. (poll() is also true
+                    # at EOF, hence the closed set: without it, a killed rank would be polled forever.)
+                    if rank in replies or (rank not in closed and self.conns[rank].poll()):
                         continue
                     self.procs[rank].join(timeout=5)  # reap it, so the exit code is known
                     code = self.procs[rank].exitcode
@@ -277,8 +291,10 @@ class CpuBackend:
             group = RankGroup(shape.tp_degree, ("trace", request, str(tmp)), request)
             try:
                 ranks = group.receive_all()
-            finally:
-                group.join()
+            except BaseException:
+                group.terminate()  # at once: an interrupted or failed trace must not wait for its ranks
+                raise
+            group.join()
             found = sorted(p.name for p in tmp.iterdir())
             if found != sorted(self.members(shape)):
                 raise BuildError(f"trace wrote {found}, expected exactly {self.members(shape)}")

@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -38,6 +39,8 @@ import torch
 from torch import nn
 
 from pipeline.backends.base import BuildShape, CheckpointRef, example_inputs
+from pipeline.fsutil import reporting_full_disk
+from pipeline.procinfo import die_with_parent
 from pipeline.recipe.parallel import Parallel, ShardLinear
 
 DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
@@ -293,13 +296,29 @@ def trace_device_prefill(job: dict) -> None:
         builder.add(key, instance, [example_inputs(spec, tokens)],
                     compiler_args=compiler_arg_string(job["compiler_args"]))
     traced = builder.trace(initialize_model_weights=True)
-    torch.jit.save(traced, str(Path(job["out_dir"]) / NXD_MODEL_FILE))
+    path = Path(job["out_dir"]) / NXD_MODEL_FILE
+    # Through a Python file, so a failed write raises (saving to a path aborts the process instead).
+    with reporting_full_disk(path, "trace: saving the ModelBuilder model"), open(path, "wb") as f:
+        torch.jit.save(traced, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def stop_with_parent() -> None:
+    """If the stage process dies (even by SIGKILL), stop this process and the compiler processes it started: this
+    process leads their process group (run_isolated starts it in a new session)."""
+    def stop(signum, frame):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, stop)
+    die_with_parent(signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
     from pipeline.fsutil import atomic_write_json
     from pipeline.procinfo import peak_rss_bytes
 
+    stop_with_parent()
     job = json.loads(Path(argv[0]).read_text())
     if job.get("compile_cache_dir"):
         os.environ["NEURON_COMPILE_CACHE_URL"] = job["compile_cache_dir"]

@@ -16,7 +16,7 @@ from pipeline import archive as archive_mod
 from pipeline import manifest as manifest_mod
 from pipeline.config import PipelineConfig
 from pipeline.errors import IntegrityError
-from pipeline.fsutil import staged_dir
+from pipeline.fsutil import reporting_full_disk, staged_dir
 from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.records import fingerprint, is_fresh
@@ -50,7 +50,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         recorded = [m["path"] for m in build["members"]]
         raise IntegrityError(f"{paths.build} holds {found}, the trace recorded {recorded}: "
                              "remove the stray files or rerun stage=trace force=true")
-    with staged_dir(paths.dist) as tmp:
+    with reporting_full_disk(paths.dist, "package"), staged_dir(paths.dist) as tmp:
         out = tmp / f"{root}{archive_mod.SUFFIX[cfg.package.format]}"
         packed = archive_mod.pack(paths.build, [m["path"] for m in build["members"]], root, out, cfg.package.format,
                                   cfg.package.threads)
