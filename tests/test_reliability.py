@@ -9,6 +9,7 @@ loads (a rank that pauses after writing its file; an audit of every ``torch.jit.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import resource
@@ -78,6 +79,24 @@ def stage_and_ranks(dvc_pid: int) -> tuple[psutil.Process, list[psutil.Process]]
     return wait_for(find, 60, "the trace stage and its two ranks")
 
 
+def interruptible() -> None:
+    """Ctrl-C's default action for the run under test. A test runner started in the background of a shell without
+    job control (``cmd &`` in a script) has SIGINT ignored, and every process it starts inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def process_report(pid: int) -> str:
+    """What is left of a process tree, and where each Python process of it is (py-spy, when installed)."""
+    lines = []
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"{proc.pid} {proc.status()} {' '.join(cmdline(proc))[:150]}")
+            if shutil.which("py-spy"):
+                lines.append(subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True,
+                                            text=True).stdout[-1500:])
+    return "\n".join(lines)
+
+
 # -- interrupted traces -------------------------------------------------------------------------------------------
 
 def test_interrupted_traces_leave_nothing_and_the_rerun_succeeds(tmp_path):
@@ -93,7 +112,7 @@ def test_interrupted_traces_leave_nothing_and_the_rerun_succeeds(tmp_path):
     for how in ("sigint-group", "sigkill-rank", "sigkill-stage", "sigkill-group"):
         proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", f"trace@{VARIANT}"], cwd=repo,
                                 env=env_with(FAULT_SLOW_JIT_SAVE_S="300"), start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                preexec_fn=interruptible, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             stage, ranks = stage_and_ranks(proc.pid)
             wait_for(lambda: len(list(variant_dir.glob(".build.tmp-*/tp_*.pt"))) == 2, 120, "both rank files")
@@ -108,7 +127,8 @@ def test_interrupted_traces_leave_nothing_and_the_rerun_succeeds(tmp_path):
             try:
                 out = proc.communicate(timeout=120)[0]
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{how}: the interrupted run did not end") from None
+                raise AssertionError(f"{how}: the interrupted run did not end; still running:\n"
+                                     f"{process_report(proc.pid)}") from None
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
