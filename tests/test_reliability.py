@@ -336,7 +336,7 @@ BAD_OVERRIDES = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bad=st.lists(BAD_OVERRIDES, min_size=1, max_size=3, unique_by=lambda b: b[0]), order=st.randoms())
 def test_invalid_overrides_never_start_work_and_name_each_key(bad, order, tmp_path):
     artifacts = tmp_path / "never-made"
