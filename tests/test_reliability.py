@@ -25,6 +25,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from pipeline import manifest as manifest_mod
 from pipeline.config import load_config
@@ -376,9 +377,9 @@ def written_out(key: str, value) -> str:
     return f"{key}={text}"
 
 
-DEFAULTS = [(k, v) for k, v in leaves(yaml.safe_load(json.dumps(
-    __import__("omegaconf").OmegaConf.to_container(composed([f"+variant={VARIANT}", "backend=cpu"]), resolve=True))))
-    if not k.startswith("hydra") and k not in ("variant.name", "artifacts_dir", "stage", "force", "publish.overwrite")]
+DEFAULTS = [(k, v) for k, v in leaves(OmegaConf.to_container(composed([f"+variant={VARIANT}", "backend=cpu"]),
+                                                              resolve=True))
+            if k not in ("variant.name", "artifacts_dir", "stage", "force", "publish.overwrite")]
 SEMANTIC = ["variant.kv_max=1024", "variant.bucket=64", "variant.dtype=bf16", "variant.prefill=host",
             "model.text_prefix='model.language_model.'", "validate.max_new_tokens=40", "validate.throughput.runs=3",
             "validate.parity.fp32=teacher_forced", "validate.warmup_prompts=0", "hardware=inf2_xlarge",
