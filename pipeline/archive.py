@@ -162,6 +162,14 @@ class VerifiedBuild:
                 raise IntegrityError(f"{self.directory / name} changed after it was verified: refusing to load it")
 
 
+def require_verified(build: object) -> VerifiedBuild:
+    """What every backend's ``load`` starts with: a ``VerifiedBuild``, never a bare path (loading TorchScript runs
+    code)."""
+    if not isinstance(build, VerifiedBuild):
+        raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
+    return build
+
+
 def _stamp(directory: Path, name: str) -> tuple[str, int, int, int]:
     st = (directory / name).stat()
     return name, st.st_size, st.st_mtime_ns, st.st_ino

@@ -34,11 +34,16 @@ def lock_path(root: Path, name: str) -> Path:
     return Path(root) / LOCK_DIR / f"{name}.lock"
 
 
-def owner_of(path: Path) -> str:
+def recorded_owner(path: Path) -> str:
+    """What lock ``path``'s ``.owner`` file says ("" when empty or missing)."""
     try:
-        return path.with_suffix(".owner").read_text().strip() or "another run"
+        return path.with_suffix(".owner").read_text().strip()
     except OSError:
-        return "another run"
+        return ""
+
+
+def owner_of(path: Path) -> str:
+    return recorded_owner(path) or "another run"
 
 
 @contextlib.contextmanager
@@ -62,16 +67,17 @@ def held(root: Path, name: str, timeout_s: float | None = None) -> Iterator[None
             raise PipelineError(f"{name} is held by {owner_of(path)} for more than {timeout_s:.0f} s: wait for that "
                                 "run to finish (or stop it); a killed run releases its locks by itself") from None
         log.info("got %s after %.1f s", name, time.monotonic() - started)
-    left_by = path.with_suffix(".owner").read_text().strip() if path.with_suffix(".owner").exists() else ""
+    left_by = recorded_owner(path)
     if left_by:
         # A holder clears .owner when it lets go; one that did not was killed. The kernel released its flock.
         log.warning("reclaimed lock %s from a run that ended without releasing it (%s)", name, left_by)
+    owner = path.with_suffix(".owner")
     try:
-        path.with_suffix(".owner").write_text(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n")
+        owner.write_text(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n")
         yield
     finally:
         with contextlib.suppress(OSError):
-            path.with_suffix(".owner").write_text("")
+            owner.write_text("")
         lock.release()
 
 

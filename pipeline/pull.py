@@ -18,13 +18,14 @@ import argparse
 import logging
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from pipeline import manifest as manifest_mod
 from pipeline import signing
 from pipeline.archive import extract_verified, verify_build
 from pipeline.errors import IntegrityError, PipelineError
-from pipeline.fsutil import reporting_full_disk, temp_dir_beside
+from pipeline.fsutil import TMP_MARK, reporting_full_disk
 from pipeline.localrepo import LocalRepo
 
 log = logging.getLogger("pipeline")
@@ -99,14 +100,9 @@ def pull(source, version: str, dest: Path, public_key: str | None, allow_unsigne
     files = source.files(commit)
     folder = variant_folder(files, version)
     dest.mkdir(parents=True, exist_ok=True)
-    with reporting_full_disk(dest, f"pull {version}"):
-        return _fetch_verified(source, version, commit, files, folder, dest, public_key, allow_unsigned)
-
-
-def _fetch_verified(source, version: str, commit: str, files: list[str], folder: str, dest: Path,
-                    public_key: str | None, allow_unsigned: bool) -> Path:
-    work = temp_dir_beside(dest / ".pull")
-    try:
+    with (reporting_full_disk(dest, f"pull {version}"),
+          tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
+        work = Path(tmp)
         source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")
         manifest = manifest_mod.load(work / "manifest.json")
         if manifest["version"] != version:
@@ -127,8 +123,6 @@ def _fetch_verified(source, version: str, commit: str, files: list[str], folder:
         # Beside the rank directory, never in it: neuronx-distributed's loader loads every file there.
         manifest_mod.write(manifest_beside(target), manifest)
         return target
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

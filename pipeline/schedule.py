@@ -122,13 +122,13 @@ class Scheduler:
     peak_tasks: int = 0
 
     def run(self, plans: list[list[Task]], clock=time.monotonic) -> list[Outcome]:
-        queues = [deque(plan) for plan in plans]
+        queues = {plan[0].variant: deque(plan) for plan in plans if plan}  # one variant's tasks, in order
         running: dict[Task, float] = {}
-        while any(queues) or running:
+        while any(queues.values()) or running:
             busy = {t.variant for t in running}
-            ready = [q[0] for q in queues if q and q[0].variant not in busy]
+            ready = [q[0] for variant, q in queues.items() if q and variant not in busy]
             for task in choose(ready, list(running), self.budget):
-                queues[[q[0] if q else None for q in queues].index(task)].popleft()
+                queues[task.variant].popleft()
                 log.info("schedule: start %s %s (needs %.1f GiB)", task.variant, task.name, task.memory / GIB)
                 self.runner.start(task)
                 running[task] = clock()
@@ -140,9 +140,7 @@ class Scheduler:
             log.info("schedule: %s %s %s in %.1f s", task.variant, task.name, "done" if ok else "FAILED",
                      clock() - started)
             if not ok:
-                for q in queues:
-                    if q and q[0].variant == task.variant:
-                        q.clear()  # the rest of this variant depends on what failed
+                queues[task.variant].clear()  # the rest of this variant depends on what failed
         return self.outcomes
 
 

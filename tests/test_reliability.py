@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -225,10 +226,10 @@ def test_a_full_disk_fails_cleanly_and_the_rerun_works_once_there_is_room(built,
 
 # -- idempotency and concurrency ------------------------------------------------------------------------------------
 
-def published_history(root: Path) -> tuple[list[str], list[str]]:
+def published_history(repo: Path) -> tuple[list[str], list[str]]:
+    """Every commit and every tag of a publish=local repository."""
     def git(*args):
-        return subprocess.run(["git", *args], cwd=root / "published", capture_output=True, text=True,
-                              check=True).stdout.split()
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.split()
 
     return git("rev-list", "--all"), git("tag")
 
@@ -236,12 +237,12 @@ def published_history(root: Path) -> tuple[list[str], list[str]]:
 def test_a_forced_rebuild_gives_the_same_archive_and_publishes_nothing(built, tmp_path):
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))
-    before, history = manifest_mod.load(paths.manifest)["archive"]["sha256"], published_history(root)
+    before, history = manifest_mod.load(paths.manifest)["archive"]["sha256"], published_history(root / "published")
     results = run(config(root, *FAST_VALIDATE, "force=true"))
     assert [r.status for r in results] == ["ran"] * 7  # every stage really ran again
     assert manifest_mod.load(paths.manifest)["archive"]["sha256"] == before
     assert sha256_file(paths.dist / manifest_mod.load(paths.manifest)["archive"]["name"]) == before
-    assert published_history(root) == history  # no new commit, no new tag
+    assert published_history(root / "published") == history  # no new commit, no new tag
 
 
 def test_two_publishes_of_one_variant_at_once_make_one_commit(built, tmp_path):
@@ -251,11 +252,8 @@ def test_two_publishes_of_one_variant_at_once_make_one_commit(built, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    commits = subprocess.run(["git", "rev-list", "--all"], cwd=root / "published_again", capture_output=True,
-                             text=True, check=True).stdout.split()
-    tags = subprocess.run(["git", "tag"], cwd=root / "published_again", capture_output=True, text=True,
-                          check=True).stdout.split()
-    assert len(tags) == 1 and len(commits) == len(published_history(root)[0])
+    commits, tags = published_history(root / "published_again")
+    assert len(tags) == 1 and len(commits) == len(published_history(root / "published")[0])
     # One after the other (the variant's lock): the first made the commit, the second found it there.
     assert sorted("(new commit)" in out for out in outs) == [False, True], outs
     assert sorted("(already there)" in out for out in outs) == [False, True], outs
@@ -363,6 +361,11 @@ def fingerprints(overrides: list[str]) -> tuple[str, str, str]:
             validate_stage.metrics_fingerprint(cfg, MANIFEST, REFERENCE))
 
 
+@functools.cache
+def default_fingerprints() -> tuple[str, str, str]:
+    return fingerprints([])
+
+
 def leaves(node, prefix=""):
     """(dotted key, value) for every scalar setting of the composed default configuration."""
     if isinstance(node, dict):
@@ -384,23 +387,20 @@ SEMANTIC = ["variant.kv_max=1024", "variant.bucket=64", "variant.dtype=bf16", "v
             "model.text_prefix='model.language_model.'", "validate.max_new_tokens=40", "validate.throughput.runs=3",
             "validate.parity.fp32=teacher_forced", "validate.warmup_prompts=0", "hardware=inf2_xlarge",
             "validate.throughput.contexts=[short]", "validate.prompt_names=[capital,spans_64]"]
-BASELINE = {}
 
 
 @settings(max_examples=25, deadline=None)
 @given(written=st.lists(st.sampled_from(DEFAULTS), max_size=8, unique_by=lambda kv: kv[0]), order=st.randoms())
 def test_equivalent_configurations_have_the_same_fingerprints(written, order):
     """Defaults written out, in any order, with settings no output depends on: the same fingerprints."""
-    if "fp" not in BASELINE:
-        BASELINE["fp"] = fingerprints([])
     overrides = [written_out(k, v) for k, v in written] + ["publish.overwrite=true", "force=true", "stage=trace"]
     order.shuffle(overrides)
-    assert fingerprints(overrides) == BASELINE["fp"]
+    assert fingerprints(overrides) == default_fingerprints()
 
 
 @pytest.mark.parametrize("change", SEMANTIC)
 def test_every_semantic_change_changes_a_fingerprint(change):
-    assert fingerprints([change]) != fingerprints([])
+    assert fingerprints([change]) != default_fingerprints()
 
 
 LOADERS = ("torch.jit.load", "torch.load", "parallel_model_load")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.archive import VerifiedBuild
+from pipeline.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import (
     BuildShape,
     RankRunner,
@@ -310,9 +310,7 @@ class CpuBackend:
         }
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> CpuRunner:
-        if not isinstance(build, VerifiedBuild):
-            raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
-        return CpuRunner(build, shape)
+        return CpuRunner(require_verified(build), shape)
 
 
 class CpuRunner(RankRunner):

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.archive import VerifiedBuild
+from pipeline.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
 from pipeline.errors import BuildError, ConfigError, IntegrityError
 from pipeline.fsutil import read_json, sha256_file, staged_dir
@@ -240,9 +240,7 @@ class NeuronBackend:
         }
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> NeuronRunner:
-        if not isinstance(build, VerifiedBuild):
-            raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
-        return NeuronRunner(build, shape)
+        return NeuronRunner(require_verified(build), shape)
 
 
 class NeuronRunner(RankRunner):
