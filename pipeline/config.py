@@ -100,6 +100,13 @@ class BackendConfig:
     compile_cache_dir: str | None = None
     max_parallel: int = 0
     """Ranks compiled at once (0: all)."""
+    check_sdk_release: bool = True
+    """Refuse installed Neuron packages that are not exactly one SDK release (pipeline/backends/neuron_sdk.py)."""
+    allow_unsupported_host_prefill: bool = False
+    """Compile host-prefill variants on an SDK release where parallel_model_trace is not known to work."""
+    visible_cores: str | None = None
+    """NeuronCores a neuron trace or validation uses, like ``0-1`` (NEURON_RT_VISIBLE_CORES); null: the first
+    ``tp_degree`` free ones (pipeline/backends/neuron_cores.py)."""
 
 
 @dataclass
@@ -382,6 +389,10 @@ def problems(cfg: PipelineConfig) -> list[str]:
                 found.append(f"model.resources.{backend}.{key}={value} must not be negative")
 
     found += _choice("backend.name", cfg.backend.name, BACKENDS)
+    if cfg.backend.visible_cores is not None and cfg.variant is not None:
+        from pipeline.backends.neuron_cores import spec_problems
+
+        found += spec_problems(cfg.backend.visible_cores, cfg.variant.tp_degree, None)
     if cfg.backend.max_parallel < 0:
         found.append(f"backend.max_parallel={cfg.backend.max_parallel} must be 0 (all ranks) or positive")
     for dtype in cfg.backend.compiler_args:

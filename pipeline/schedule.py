@@ -8,8 +8,10 @@ its variant's previous task has finished and the host has room for it:
   validate, as the preflight computes them) fits in what running tasks leave of the budget (usable RAM + swap,
   measured as the preflight does, or ``--memory-gib``);
 - cores: at most ``--jobs`` tasks at once (default: one per CPU core);
-- NeuronCores: a neuron validate holds ``tp_degree`` of them (the host's free ones, from ``neuron-ls``);
-- publish: one at a time (variants share one repository);
+- NeuronCores: a neuron build or validate holds ``tp_degree`` of them (the host's free ones, from ``neuron-ls``;
+  each task's process then leases its own, pipeline/backends/neuron_cores.py);
+- publish: one at a time (variants share one repository); host-prefill neuron builds: one at a time (their
+  compiler's rendezvous port is fixed);
 - with ``--quiet-validate`` (the default for the neuron backend), a validate runs with nothing else, so the
   throughput it measures (and the regression gate compares) is not disturbed by compiles running beside it. The cpu
   backend's figures are reference figures, not release ones: its validations overlap other work unless asked.
@@ -54,7 +56,9 @@ class Task:
     stages: tuple[str, ...]
     memory: int = 0  # bytes it may use at its peak
     neuron_cores: int = 0
-    exclusive: bool = False  # runs with no other exclusive task (publishing into one repository)
+    exclusive: str | None = None
+    """Runs with no other task of the same group: ``publish`` (one repository), ``trace-port`` (host-prefill
+    neuron compiles: parallel_model_trace always rendezvous on port 2022, pipeline/backends/neuron_cores.py)."""
     alone: bool = False  # runs with nothing else at all (a throughput measurement on a quiet host)
 
 
@@ -77,9 +81,12 @@ def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: in
     build = preflight.trace_need(resources, backend, shape, max_parallel, [])
     check = preflight.validate_need(resources, backend, shape)
     stages = dict(PHASES)
-    return [Task(variant, "build", stages["build"], build.memory),
+    # A neuron compile holds its NeuronCores too (its ranks initialise the runtime; ModelBuilder loads the weights
+    # onto the cores at the end of its trace), so a compile and a validate share the cores as two validates do.
+    port = "trace-port" if backend == "neuron" and shape.prefill == "host" else None
+    return [Task(variant, "build", stages["build"], build.memory, build.neuron_cores, exclusive=port),
             Task(variant, "validate", stages["validate"], check.memory, check.neuron_cores, alone=quiet_validate),
-            Task(variant, "publish", stages["publish"], 0, 0, exclusive=True)]
+            Task(variant, "publish", stages["publish"], 0, 0, exclusive="publish")]
 
 
 def fits(task: Task, running: list[Task], budget: Budget) -> bool:
@@ -88,7 +95,7 @@ def fits(task: Task, running: list[Task], budget: Budget) -> bool:
     return (len(running) < budget.slots
             and sum(t.memory for t in running) + task.memory <= budget.memory
             and sum(t.neuron_cores for t in running) + task.neuron_cores <= budget.neuron_cores
-            and not (task.exclusive and any(t.exclusive for t in running)))
+            and not (task.exclusive and any(t.exclusive == task.exclusive for t in running)))
 
 
 def choose(ready: list[Task], running: list[Task], budget: Budget) -> list[Task]:

@@ -73,6 +73,17 @@ def hf_reference(hf_model, prompts):
     return out
 
 
+@pytest.fixture
+def fake_neuron(monkeypatch, tmp_path_factory):
+    """The stand-in Neuron SDK (tests/fake_neuron), installed as the pinned release: on sys.path, PYTHONPATH (for the
+    compile and validation processes) and PATH, with its own NeuronCores (2) and lease directory."""
+    from . import fake_sdk
+
+    site = fake_sdk.install(tmp_path_factory.mktemp("neuron-sdk"))
+    with fake_sdk.activated(site, monkeypatch):
+        yield site
+
+
 @pytest.fixture(scope="session")
 def validated_512_fp32(tmp_path_factory) -> Path:
     """A healthy 512_fp32 build of the tiny model, traced, packaged, validated (tests.helpers.FAST_VALIDATE) and

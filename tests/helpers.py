@@ -37,11 +37,16 @@ def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
 
 
 def config(artifacts: Path, *overrides: str, variant: str | None = "512_fp32") -> PipelineConfig:
-    args = [f"artifacts_dir={artifacts}", "backend=cpu", *overrides]
+    backend = [] if any(o.startswith("backend=") for o in overrides) else ["backend=cpu"]
+    args = [f"artifacts_dir={artifacts}", *backend, *overrides]
     if variant:
         args.insert(0, f"+variant={variant}")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return load_config(compose(config_name="config", overrides=args), variant)
+
+
+def neuron_config(artifacts: Path, variant: str, *overrides: str) -> PipelineConfig:
+    return config(artifacts, "backend=neuron", *overrides, variant=variant)
 
 
 def run(cfg: PipelineConfig, stage: str = "all"):

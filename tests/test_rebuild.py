@@ -138,19 +138,30 @@ def simulate(plans, budget: Budget, failing=()) -> tuple[Scheduler, SimulatedRun
 
 
 def test_an_inf2_8xlarge_with_swap_compiles_one_e4b_variant_at_a_time():
-    # 125 GiB RAM + 75 GiB swap: one 180 GiB compile fits, two do not; a validate (15 GiB) fits beside a compile.
+    # 125 GiB RAM + 75 GiB swap: one 180 GiB compile fits, two do not. Its 2 NeuronCores are held by a compile as by
+    # a validate (each initialises the runtime on them), so only a publish runs beside either.
     scheduler, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(200 * GIB, 32, 2))
     assert scheduler.peak_memory <= 200 * GIB
     builds = [(t, task.variant) for t, task, _ in runner.starts if task.name == "build"]
-    assert builds == [(0.0, "2048_bf16"), (3600.0, "512_bf16")]
-    # 2048_bf16 validates while 512_bf16 compiles.
-    assert any({t.name for t in running} == {"validate", "build"} for _, _, running in runner.starts)
+    assert builds == [(0.0, "2048_bf16"), (3900.0, "512_bf16")]  # after 2048_bf16's validate (3600-3900)
+    for _, _task, running in runner.starts:
+        assert sum(t.neuron_cores for t in running) <= 2, running
+    assert any({t.name for t in running} == {"publish", "build"} for _, _, running in runner.starts)
     assert all(o.ok for o in scheduler.outcomes) and len(scheduler.outcomes) == 6
-    # With 64 GiB of swap (189 in all) even a validate does not fit beside a compile: the next compile waits.
-    tight, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(189 * GIB, 32, 2))
-    assert tight.peak_memory == 180 * GIB  # a publish (no memory) may run beside a compile, a validate not
-    assert [(t, task.variant) for t, task, _ in runner.starts if task.name == "build"] == [
-        (0.0, "2048_bf16"), (3900.0, "512_bf16")]  # after 2048_bf16's validate (3600-3900)
+    # With 4 NeuronCores (and the memory), 2048_bf16 validates while 512_bf16 compiles.
+    roomy, runner = simulate(e4b_plans(["2048_bf16", "512_bf16"]), Budget(400 * GIB, 32, 4))
+    assert any({t.name for t in running} == {"validate", "build"} for _, _, running in runner.starts)
+
+
+def test_host_prefill_neuron_compiles_never_run_side_by_side():
+    # parallel_model_trace always rendezvous on port 2022: two at once would collide, whatever the cores.
+    plans = [variant_tasks(n, "neuron", BuildShape(2048, 512, "bf16", "host", 2), E4B_NEURON, 0)
+             for n in ("a_host", "b_host")] + e4b_plans(["2048_bf16"])
+    scheduler, runner = simulate(plans, Budget(768 * GIB, 192, 12))
+    for _, _task, running in runner.starts:
+        assert sum(t.exclusive == "trace-port" for t in running) <= 1, running
+    assert any({t.variant for t in running if t.name == "build"} == {"a_host", "2048_bf16"}
+               for _, _, running in runner.starts)  # a device-prefill compile may run beside one
 
 
 def test_more_memory_compiles_more_variants_at_once_and_cores_cap_them():

@@ -76,6 +76,12 @@ class TraceRequest:
     workdir: Path | None = None
     """The compiler's scratch directory (default: beside the build); cleared by the compiler, so always ours."""
     max_parallel: int = 0  # ranks compiled at once; 0 means all
+    visible_cores: str | None = None
+    """The NeuronCores to compile on (``backend.visible_cores``); None takes the first free ones."""
+    check_sdk_release: bool = True
+    """Refuse Neuron packages that are not exactly one SDK release (``backend.check_sdk_release``)."""
+    allow_unsupported_host_prefill: bool = False
+    """Compile host prefill on a release where it is not known to work (``backend.allow_unsupported_host_prefill``)."""
     compile_cache_dir: str | None = None
     """NEURON_COMPILE_CACHE_URL for the compiler (a path or s3:// URL); None keeps the compiler's default."""
     host: Resources | None = None

@@ -44,6 +44,7 @@ import torch
 
 from pipeline.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
+from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
 from pipeline.errors import BuildError, ConfigError, IntegrityError
 from pipeline.fsutil import read_json, sha256_file, staged_dir
 from pipeline.log import log
@@ -95,26 +96,62 @@ def classify_failure(text: str) -> str | None:
     return None
 
 
-def missing_api(prefill: str) -> str | None:
-    """Why this host cannot run the variant's trace API, or None when it can. Imports neuronx-distributed."""
+def missing_api(prefill: str, check_release: bool = True, allow_unsupported_host_prefill: bool = False) -> str | None:
+    """Why this host cannot compile the variant (None when it can): a Neuron package missing, an installed mix that
+    is not one SDK release, or host prefill on a release where it is not known to work (pipeline/backends/neuron_sdk.py
+    says which, and why)."""
+    from pipeline.backends import neuron_sdk
+
     for module in ("torch_neuronx", "neuronx_distributed"):
         if importlib.util.find_spec(module) is None:
             return f"backend=neuron needs the Python package {module!r}: {NEURON_EXTRA_HINT}"
-    if prefill == "host":
-        trace = importlib.import_module("neuronx_distributed.trace")
-        if not hasattr(trace, "parallel_model_trace"):
-            return ("prefill=host variants are compiled with neuronx_distributed.trace.parallel_model_trace, which "
-                    "this neuronx-distributed no longer has (Neuron SDK 2.27 retired it; 2.26 is the last release "
-                    "with it): build the device-prefill variants (512_bf16, 2048_bf16, ...), or install the [neuron] "
-                    "extra's pinned SDK versions to build host-prefill ones")
-        log.warning("prefill=host uses parallel_model_trace, which Neuron documents as unsupported from SDK 2.27 on; "
-                    "the build is validated like any other before it can ship")
-    else:
-        builder = importlib.import_module("neuronx_distributed.trace.model_builder")
-        if not hasattr(builder, "ModelBuilder"):
-            return ("prefill=device variants are compiled with neuronx_distributed.trace.model_builder.ModelBuilder, "
-                    f"which this neuronx-distributed lacks: {NEURON_EXTRA_HINT}")
+    installed = neuron_sdk.installed_versions()
+    row = neuron_sdk.identify(installed)
+    if row is None and check_release:
+        return neuron_sdk.mix_problem(installed)
+    if prefill == "host" and row is not None:
+        problem = neuron_sdk.host_prefill_problem(row, allow_unsupported_host_prefill)
+        if problem:
+            return problem
+        if row.host_prefill != neuron_sdk.SUPPORTED:
+            log.warning("prefill=host on Neuron SDK %s: parallel_model_trace is %s (pipeline/backends/neuron_sdk.py)",
+                        row.release, row.host_prefill)
+    module, name = ("neuronx_distributed.trace", "parallel_model_trace") if prefill == "host" else (
+        "neuronx_distributed.trace.model_builder", "ModelBuilder")
+    if not hasattr(importlib.import_module(module), name):
+        return f"prefill={prefill} variants are compiled with {module}.{name}, which the installed SDK lacks: " \
+               f"{NEURON_EXTRA_HINT}"
     return None
+
+
+def host_neuron_cores() -> int:
+    """How many NeuronCores this host has (``neuron-ls``); refuses a host without the Neuron tools."""
+    from pipeline.errors import PreflightError
+    from pipeline.preflight import neuron_cores
+
+    total, _ = neuron_cores()
+    if total is None:
+        raise PreflightError("backend=neuron needs NeuronCores, but neuron-ls is not available: run on an inf2 host "
+                             "with the Neuron driver and tools (aws-neuronx-dkms, aws-neuronx-tools)")
+    return total
+
+
+def core_lease(tp_degree: int, spec: str | None, what: str, host_cores: int | None = None) -> Lease:
+    """This process's NeuronCores for ``what`` (pipeline/backends/neuron_cores.py)."""
+    return acquire(tp_degree, host_neuron_cores() if host_cores is None else host_cores, spec, what)
+
+
+def compile_env(lease: Lease) -> dict[str, str]:
+    """The compile process's environment: its NeuronCores, and this package importable from any directory."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **lease.env(), "PYTHONPATH": path}
+
+
+def host_cores(request: TraceRequest) -> int:
+    """The host's NeuronCores as the preflight measured them, else asked of neuron-ls now."""
+    measured = request.host.neuron_cores if request.host is not None else None
+    return measured if measured is not None else host_neuron_cores()
 
 
 def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
@@ -136,7 +173,7 @@ def state_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 # -- running the compile in its own process group ----------------------------------------------------------------------
 
 def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRequest,
-                 env: dict | None = None) -> tuple[dict, int]:
+                 env: dict | None = None, cwd: Path | None = None) -> tuple[dict, int]:
     """Run ``argv`` in a new session; return ``(its result JSON, the peak RSS of its largest process)``.
 
     An interruption of this process kills the whole group (the compiler processes included). A SIGKILL of the child
@@ -144,7 +181,7 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
     """
     from pipeline.preflight import oom_message
 
-    proc = subprocess.Popen(argv, start_new_session=True, env=env)
+    proc = subprocess.Popen(argv, start_new_session=True, env=env, cwd=cwd)
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:
@@ -170,7 +207,8 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
         if kind == "device_oom":
             raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
                              "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
-        raise BuildError(f"{what} failed: {error}\n{result.get('traceback', '')}")
+        kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept in {cwd}" if cwd else ""
+        raise BuildError(f"{what} failed: {error}\n{result.get('traceback', '')}{kept}")
     return result, peak
 
 
@@ -195,12 +233,12 @@ class NeuronBackend:
         if problems:
             raise ConfigError(problems)
         check_request(request)
-        reason = missing_api(request.shape.prefill)
+        reason = missing_api(request.shape.prefill, request.check_sdk_release, request.allow_unsupported_host_prefill)
         if reason:
             raise BuildError(reason)
 
     def trace(self, request: TraceRequest, out_dir: Path) -> dict:
-        from pipeline.backends.neuron_rank import make_job
+        from pipeline.backends.neuron_rank import effective_compiler_args, make_job
 
         shape = request.shape
         self.check(request)
@@ -212,13 +250,20 @@ class NeuronBackend:
             job = make_job(request.checkpoint, shape, list(request.compiler_args), tmp, workdir, request.max_parallel,
                            request.compile_cache_dir)
             job_path.write_text(json.dumps(job))
-            shutil.rmtree(workdir, ignore_errors=True)  # ours alone; a failed compile's files are stale now
-            workdir.mkdir(parents=True)
-            log.info("trace: compiling with neuronx-cc (%s), work files in %s", " ".join(request.compiler_args),
-                     workdir)
-            result, peak = run_isolated([sys.executable, "-m", "pipeline.backends.neuron_rank", str(job_path),
-                                         str(result_path)], result_path, f"the neuron compile of {out_dir.parent.name}",
-                                        request)
+            what = f"the neuron compile of {out_dir.parent.name}"
+            with contextlib.ExitStack() as held:
+                if shape.prefill == "host":
+                    held.enter_context(trace_port(what))
+                lease = held.enter_context(leased(shape.tp_degree, host_cores(request), request.visible_cores, what))
+                shutil.rmtree(workdir, ignore_errors=True)  # ours alone; a failed compile's files are stale now
+                workdir.mkdir(parents=True)
+                log.info("trace: compiling with neuronx-cc (%s), work files in %s", " ".join(request.compiler_args),
+                         workdir)
+                # The compile runs in its work directory: whatever the SDK writes to the current directory (the
+                # compiler's log on the parallel_model_trace path) stays with the files a failure keeps.
+                result, peak = run_isolated([sys.executable, "-m", "pipeline.backends.neuron_rank", str(job_path),
+                                             str(result_path)], result_path, what, request,
+                                            env=compile_env(lease), cwd=workdir)
             found = sorted(p.name for p in tmp.iterdir())
             if found != sorted(self.members(shape)):
                 raise BuildError(f"the neuron compile wrote {found}, expected exactly {self.members(shape)} "
@@ -237,6 +282,7 @@ class NeuronBackend:
             "max_parallel": request.max_parallel,
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
+            "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args)),
         }
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> NeuronRunner:
@@ -254,16 +300,23 @@ class NeuronRunner(RankRunner):
             raise IntegrityError(f"{build.directory} holds {names}, a {shape.prefill}-prefill tp_degree "
                                  f"{shape.tp_degree} neuron build needs {expected}")
         started = time.monotonic()
-        build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
-        if layout(shape) == NXD_MODEL:
-            self.model = torch.jit.load(str(build.directory / expected[0]))
-            self.model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
-            self.states: list[list[torch.nn.Parameter]] = []
-        else:
-            from neuronx_distributed.trace import parallel_model_load
+        self.lease = None if os.environ.get(VISIBLE_CORES_ENV) else core_lease(shape.tp_degree, None, "loading a build")
+        try:
+            build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
+            if layout(shape) == NXD_MODEL:
+                # model.pt holds torch.classes.neuron objects made by ModelBuilder; they exist only once torch_neuronx
+                # is imported (NxD's own test imports neuronx_distributed.trace.model_builder, which imports it, before
+                # torch.jit.load; the seed's optb_server_mb.py imports torch_neuronx "to register the ops").
+                importlib.import_module("torch_neuronx")
+                self.model = torch.jit.load(str(build.directory / expected[0]))
+                self.model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+            else:
+                from neuronx_distributed.trace import parallel_model_load
 
-            self.model = parallel_model_load(str(build.directory))
-            self.states = [state_parameters(rank) for rank in self.model.models]
+                self.model = parallel_model_load(str(build.directory))
+        except BaseException:
+            self.close()
+            raise
         self.load_s = time.monotonic() - started
 
     def _call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,10 +333,16 @@ class NeuronRunner(RankRunner):
         return self._call(embeds, per_layer_tokens, positions, last_index)
 
     def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
-        if not self.states:
+        if layout(self.shape) != PER_RANK:
             raise RuntimeError("only prefill=host builds take host-computed caches")
-        for rank, (params, caches) in enumerate(zip(self.states, per_rank, strict=True)):
-            write_states(rank, params, caches)
+        # Read the state parameters afresh on every call, never once after loading: the loaded model moves itself to
+        # the NeuronCores on its first forward and replaces them with new tensors (NxD v2.28.0 trace/trace.py,
+        # TensorParallelNeuronModel._load -> torch_neuronx.move_trace_to_device), so parameters captured earlier
+        # are orphaned host copies and every prompt after the first would decode over a stale cache (the seed's
+        # optb_server_tp.py "KV-leak fix" re-reads them per request for this reason).
+        ranks = list(self.model.models)
+        for rank, (module, caches) in enumerate(zip(ranks, per_rank, strict=True)):
+            write_states(rank, state_parameters(module), caches)
 
     def reset(self) -> None:
         """Nothing to do: a prompt's prefill (or seeding) rewrites every cache slot it will attend to, and the masks,
@@ -296,6 +355,9 @@ class NeuronRunner(RankRunner):
 
     def close(self) -> None:
         self.model = None
+        if getattr(self, "lease", None) is not None:
+            self.lease.release()
+            self.lease = None
 
     def __enter__(self) -> NeuronRunner:
         return self

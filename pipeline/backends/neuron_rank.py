@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -46,6 +47,7 @@ from pipeline.recipe.parallel import Parallel, ShardLinear
 DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
 HOST_PREFILL_API = "neuronx_distributed.trace.parallel_model_trace"
 NXD_MODEL_FILE = "model.pt"
+BUFFERS = ("layer_scalar",)  # checkpoint tensors the recipe holds as buffers (pipeline/recipe/model.py)
 
 
 # -- the parallel primitives ------------------------------------------------------------------------------------------
@@ -207,11 +209,12 @@ def copy_state(decoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
-    """ModelBuilder's checkpoint: every rank-side tensor at full size, named as ``AliasedRank.state_dict()`` names it.
+    """ModelBuilder's checkpoint: every rank-side parameter at full size and in its dtype, named as
+    ``AliasedRank.named_parameters()`` names it, and nothing else (ModelBuilder shards and loads parameters only;
+    the ``layer_scalar`` buffers are copied in by hand when the module is built, see ``build_aliased_rank``).
 
     Read straight from the safetensors files (``from_pretrained`` would trip ModelBuilder's meta-device parameter
-    patching); the embedding tables stay on the host. ``layer_scalar`` values are included too, as the seed did, in
-    case a compiler version keeps buffers as weights rather than constants.
+    patching); the embedding tables stay on the host.
     """
     from pipeline.recipe.plan import ShardPlan, load_rank_state
     from pipeline.recipe.spec import load_spec
@@ -220,7 +223,7 @@ def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
     spec = load_spec(job["checkpoint"]["directory"])
     with job_checkpoint(job) as ckpt:
         whole = load_rank_state(ckpt, ShardPlan(spec, 1), 0, shape.torch_dtype)
-    return {"decoder." + name: tensor for name, tensor in whole.items()}
+    return {"decoder." + name: tensor for name, tensor in whole.items() if not name.endswith(BUFFERS)}
 
 
 def host_prefill_rank(job: dict) -> tuple[nn.Module, dict]:
@@ -260,6 +263,30 @@ def router_key(inputs: tuple[torch.Tensor, ...]) -> str:
 def compiler_arg_string(args: list[str]) -> str:
     """ModelBuilder takes the compiler arguments as one string (it appends its own flags to it)."""
     return shlex.join(args)
+
+
+def model_builder_flags(args: list[str]) -> str:
+    """The flags neuronx-cc gets from ``ModelBuilder.add(compiler_args=compiler_arg_string(args))``: ModelBuilder's
+    ``append_default_compiler_flags``, re-implemented from neuronx-distributed v2.28.0 trace/model_builder.py
+    (~104-124; unchanged in 0.18; 0.12 substituted the defaults only for None): no flags at all get its defaults;
+    ``--auto-cast=none`` is appended when no ``--auto-cast`` is given, ``-O1`` when no ``-O<n>`` is, and
+    ``--verbose=35`` when no ``--verbose`` is. (``trace`` then adds ``--logfile=<workdir>/<key>/...``.)"""
+    flags = compiler_arg_string(args)
+    if not flags:
+        flags = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
+    if "--auto-cast" not in flags:
+        flags += " --auto-cast=none "
+    if not re.search(r"-O\d+", flags):
+        flags += " -O1 "
+    if "--verbose" not in flags:
+        flags += " --verbose=35"
+    return flags
+
+
+def effective_compiler_args(shape: BuildShape, args: list[str]) -> list[str]:
+    """What neuronx-cc is given for this variant: ModelBuilder's flags (device prefill), or the arguments as they are
+    (``parallel_model_trace`` passes them through unchanged)."""
+    return shlex.split(model_builder_flags(args)) if shape.prefill == "device" else list(args)
 
 
 # -- the two trace paths ----------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ and ``artifacts/<model>/plots/<variant>.json``: one row per context length, for 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,12 +53,14 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) ->
     })
 
 
-def run_fresh(job: dict, host: preflight.Resources | None = None, need: preflight.Need | None = None) -> dict:
+def run_fresh(job: dict, host: preflight.Resources | None = None, need: preflight.Need | None = None,
+              env: dict | None = None) -> dict:
     """Run the validation job in a new interpreter; returns its metrics or raises what it raised."""
     with tempfile.TemporaryDirectory(prefix="gemma4-validate-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "pipeline.validation", str(job_path), str(result_path)])
+        proc = subprocess.run([sys.executable, "-m", "pipeline.validation", str(job_path), str(result_path)],
+                              env=None if env is None else {**os.environ, **env})
         if proc.returncode == -9:
             raise PipelineError(preflight.oom_message("the validation process", host, need))
         if not result_path.exists():
@@ -164,7 +168,16 @@ def run(cfg: PipelineConfig) -> StageResult:
     }
     log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest["version"],
              [reference["prompts"][i]["name"] for i in chosen])
-    measured = run_fresh(job, host, need)
+    with contextlib.ExitStack() as held:
+        env = None
+        if manifest["backend"] == "neuron":  # the validation process gets its own NeuronCores, held until it ends
+            from pipeline.backends.neuron import core_lease
+
+            lease = core_lease(shape.tp_degree, cfg.backend.visible_cores, f"validating {cfg.variant.name}",
+                               host.neuron_cores)
+            held.callback(lease.release)
+            env = lease.env()
+        measured = run_fresh(job, host, need, env)
     gate = throughput_gate(cfg, manifest["backend"], shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())

@@ -1,3 +1,5 @@
 """Test stand-in for neuronx-distributed (see tests/fake_neuron/README.md)."""
 
-__version__ = "9.9.9+fake"
+import importlib.metadata
+
+__version__ = importlib.metadata.version("neuronx-distributed")  # the dist-info tests/fake_sdk.py writes

@@ -1,8 +1,8 @@
-"""Test stand-in for neuronx-cc's Python package: only its version (see tests/fake_neuron/README.md).
+"""Test stand-in for neuronx-cc's Python package: only its version, with a build hash as the real one carries
+(``2.23.6484.0+f702b353``); the release comes from the dist-info tests/fake_sdk.py writes."""
 
-FAKE_NEURONX_CC_VERSION lets a test simulate a compiler upgrade.
-"""
+import hashlib
+import importlib.metadata
 
-import os
-
-__version__ = os.environ.get("FAKE_NEURONX_CC_VERSION", "9.9.9.9+fa4e0000")
+_release = importlib.metadata.version("neuronx-cc")
+__version__ = f"{_release}+{hashlib.sha256(_release.encode()).hexdigest()[:8]}"

@@ -1,0 +1,1 @@
+"""Test stand-in for neuronx_distributed.parallel_layers."""

@@ -1,89 +1,118 @@
-"""Test stand-in for ModelBuilder v1 (tp_degree 1, keys ``prefill`` and ``decode``).
+"""Test stand-in for ModelBuilder v1 (neuronx_distributed/trace/model_builder.py at NxD v2.28.0), tp_degree 1 or more.
 
-As the real one: ``trace()`` wipes ``compiler_workdir``; every key's module comes from the same instance
-(``load_module()`` then ``get(0)``); the checkpoint is loaded into **parameters only** (buffers keep the values
-``load_module()`` gave them); weights and aliased state are shared by all keys; calls are routed by input shape; and a
-model must be initialised (``initialize_with_saved_weights``) before it runs.
+What it does as the real one does (line numbers at v2.28.0):
+- ``__init__``, ``add`` and ``trace`` take exactly the real parameters (no ``**kwargs``); ``__init__`` refuses a
+  torch-neuronx that is not 2.x (~457).
+- ``add`` passes ``compiler_args`` through ``append_default_compiler_flags`` (~104-124): a string, the seed's flags
+  kept, ``--auto-cast=none`` / ``-O1`` / ``--verbose=35`` appended when absent; a list raises ``TypeError``.
+- ``trace`` deletes ``compiler_workdir`` first (~545), builds every key's module from its instance
+  (``load_module()`` then ``get(0)``), traces each rank ahead of time in this process (collectives only produce
+  shapes, as under ``mock_distributed``), writes each graph's compiler log under ``<workdir>/<key>/_tp0_bk0/``
+  with the ``--logfile`` the real one adds (~720), and cuts the checkpoint into rank slices along each parallel
+  weight's ``partition_dim``. Only **parameters** are loaded from the checkpoint (buffers keep what ``load_module``
+  gave them); aliased parameters (the state) start at zero (``StateInitializer``).
+- Every key shares one weight set and one state (the keys' modules must have the same parameters); calls are routed
+  by the list of input shapes, a miss is a TorchScript ``ValueError`` (``spmd.py`` ~216); the model must be
+  initialised (``initialize_with_saved_weights``) in the process that runs it, which takes the NeuronCores;
+  ``trace(initialize_model_weights=True)`` does so itself (~776-781).
+- The returned executor is TorchScript that calls ``torch.ops.neuron`` ops: loading it saved needs ``torch_neuronx``
+  imported first (the real file holds ``torch.classes.neuron.SPMDModel`` objects, registered by torch_neuronx).
 """
 
+import logging
 import os
+import re
 import shutil
+import uuid
+import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch_neuronx
+from torch_neuronx import _fake_runtime
 
-KEYS = ("prefill", "decode")
+from neuronx_distributed.parallel_layers import parallel_state
+from neuronx_distributed.trace.spmd import NxDModel, NxDModelExecutor, RankGraphs, StateGraph
 
-
-class _Graphs(nn.Module):
-    def __init__(self, model, aliases):
-        super().__init__()
-        order = sorted(aliases.items(), key=lambda item: item[1])
-        self.states = nn.ParameterList([param for param, _ in order])
-        self.indices = [index for _, index in order]
-        self.model = model
-
-    def _run(self, embeds, per_layer_tokens, positions, last_index):
-        outs = self.model(embeds, per_layer_tokens, positions, last_index)
-        for state, index in zip(self.states, self.indices):
-            state.copy_(outs[index])
-        return outs[0]
-
-    def prefill(self, embeds, per_layer_tokens, positions, last_index):
-        return self._run(embeds, per_layer_tokens, positions, last_index)
-
-    def decode(self, embeds, per_layer_tokens, positions, last_index):
-        return self._run(embeds, per_layer_tokens, positions, last_index)
+logger = logging.getLogger("Neuron")
+LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"
 
 
-class _NxDModel(nn.Module):
-    def __init__(self, graphs, prefill_tokens: int):
-        super().__init__()
-        self.graphs = graphs
-        self.prefill_tokens = prefill_tokens
-        self.initialized = False
-
-    @torch.jit.export
-    def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor):
-        self.initialized = True
-
-    def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not self.initialized:
-            raise RuntimeError("This model is not initialized, please call "
-                               "traced_model.nxd_model.initialize_with_saved_weights()")
-        tokens = inputs[0].size(1)
-        if tokens == 1:
-            return [self.graphs.decode(inputs[0], inputs[1], inputs[2], inputs[3])]
-        if tokens == self.prefill_tokens:
-            return [self.graphs.prefill(inputs[0], inputs[1], inputs[2], inputs[3])]
-        raise RuntimeError("no graph for these input shapes")
+def append_default_compiler_flags(compiler_args: str | None = "") -> str:
+    if not compiler_args:
+        compiler_args = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
+    if "--auto-cast" not in compiler_args:
+        compiler_args += " --auto-cast=none "
+    elif "--auto-cast=none" not in compiler_args:
+        logger.warning(
+            "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
+        )
+    if not re.search(r"-O\d+", compiler_args):
+        compiler_args += " -O1 "
+    if "--verbose" not in compiler_args:
+        compiler_args += " --verbose=35"
+    return compiler_args
 
 
-class _Executor(nn.Module):
-    def __init__(self, nxd_model):
-        super().__init__()
-        self.nxd_model = nxd_model
+class BaseModelInstance:
+    def __init__(self, module_cls, input_output_aliases):
+        self.module_cls = module_cls
+        self.module = None
+        self.input_output_aliases = [input_output_aliases]
 
-    def forward(self, embeds, per_layer_tokens, positions, last_index) -> list[torch.Tensor]:
-        return self.nxd_model([embeds, per_layer_tokens, positions, last_index])
+    def load_module(self):
+        self.module = self.module_cls()
+
+    def get(self, bucket_rank, **kwargs):
+        return self.module, self.input_output_aliases[0]
 
 
 class ModelBuilder:
-    def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None, **kwargs):
-        if tp_degree != 1:
-            raise NotImplementedError("the test stand-in builds tp_degree 1 only")
+    def __init__(
+            self,
+            router,
+            tp_degree,
+            checkpoint_loader,
+            start_rank_id=0,
+            pp_degree=1,
+            ep_degree=1,
+            local_ranks_size=None,
+            world_size=None,
+            compiler_workdir=None,
+            master_proc_env_vars=None,
+            debug=False,
+            num_cores_per_group=1,
+            init_custom_process_group_fn=None,
+            logical_nc_config=1,
+            weights_to_skip_layout_optimization=set(),  # noqa: B006 - the real default
+            compiler_flag_hook=None,
+    ):
+        if not torch_neuronx.__version__.startswith("2"):
+            raise AssertionError(
+                f"ModelBuilder requires torch-neuronx>=2.* but found torch-neuronx=={torch_neuronx.__version__}.")
+        if pp_degree != 1 or ep_degree != 1 or world_size is not None or start_rank_id != 0:
+            raise NotImplementedError("the stand-in builds tensor parallelism on one host only")
+        self.router = router
+        self.tp_degree = tp_degree
         self.checkpoint_loader = checkpoint_loader
-        self.compiler_workdir = compiler_workdir or "/tmp/nxd_model/"
-        self.models = {}
+        self.compiler_workdir = compiler_workdir if compiler_workdir else "/tmp/nxd_model/"
+        self.model_collection = {}
 
-    def add(self, key, model_instance, example_inputs, compiler_args=None, bucket_config=None,
-            priority_model_idx=None):
-        if compiler_args is not None and not isinstance(compiler_args, str):
-            raise TypeError("ModelBuilder v1 appends flags to compiler_args with +=: pass a string")
-        if key not in KEYS or len(example_inputs) != 1:
-            raise NotImplementedError(f"the test stand-in builds keys {KEYS}, one bucket each")
-        self.models[key] = (model_instance, example_inputs[0], compiler_args)
+    def add(
+            self,
+            key: str,
+            model_instance: BaseModelInstance,
+            example_inputs,
+            compiler_args: str | None = None,
+            bucket_config=None,
+            priority_model_idx: int | None = None,
+    ) -> "ModelBuilder":
+        compiler_args = append_default_compiler_flags(compiler_args)
+        warnings.warn("'bucket_config' will be deprecated in a future release.Bucket routing will be automatically "
+                      "determined by inputs.", category=DeprecationWarning, stacklevel=2)
+        if bucket_config is not None or len(example_inputs) != 1:
+            raise NotImplementedError("the stand-in builds one bucket per key")
+        self.model_collection[key] = (model_instance, example_inputs, compiler_args)
         return self
 
     def trace(self, initialize_model_weights=True, dry_run=False):
@@ -91,35 +120,64 @@ class ModelBuilder:
             shutil.rmtree(self.compiler_workdir)
         if os.environ.get("FAKE_NEURON_COMPILE_ERROR"):
             raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
-        for key, (instance, _, args) in self.models.items():
-            instance.load_module()
-            directory = Path(self.compiler_workdir) / key / "_tp0_bk0"
-            directory.mkdir(parents=True)
-            (directory / "log-neuron-cc.txt").write_text(f"stand-in compile, args: {args}\n")
-        module, aliases = instance.get(0)
+        model_id = uuid.uuid4().hex
         checkpoint = self.checkpoint_loader()
-        state_names = {id(param) for param in aliases}
+        ranks = [self._trace_rank(rank, model_id, checkpoint) for rank in range(self.tp_degree)]
+        for key, (_, _, compiler_args) in self.model_collection.items():
+            out = Path(self.compiler_workdir) / key / "_tp0_bk0"
+            out.mkdir(parents=True, exist_ok=True)
+            flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"
+            (out / LOG_FILE_DEFAULT_NAME).write_text(f"stand-in neuronx-cc, flags: {flags}\n")
+        shapes = {str([list(t.shape) for t in example[0]]): (key, 0)
+                  for key, (_, example, _) in self.model_collection.items()}
+        executor = torch.jit.script(NxDModelExecutor(torch.jit.script(
+            NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree))))
+        if initialize_model_weights:
+            executor.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+        return executor
+
+    def _trace_rank(self, rank, model_id, checkpoint):
+        """Every key's graph of one rank, over one weight set and one state."""
+        parallel_state._set_aot_rank(rank, self.tp_degree, model_id)
+        _fake_runtime.set_aot(True)
+        try:
+            graphs, owner = {}, None
+            for key, (instance, example, _) in self.model_collection.items():
+                instance.load_module()
+                module, aliases = instance.get(0)
+                if owner is None:
+                    owner = StateGraph(module, aliases)
+                    self._load_weights(owner, checkpoint, rank)
+                elif _layout(module, aliases) != _layout(owner.model, dict(zip(owner.states, owner.indices))):
+                    raise ValueError(f"key {key!r}: the models of one ModelBuilder must share their weights and state")
+                with torch.no_grad():
+                    graphs[key] = torch.jit.trace(owner, tuple(example[0]), check_trace=False)
+            with torch.no_grad():
+                for state in owner.states:
+                    state.zero_()  # tracing ran the examples through the state; StateInitializer starts at zero
+            return torch.jit.script(RankGraphs(graphs))
+        finally:
+            _fake_runtime.set_aot(False)
+            parallel_state._set_aot_rank(None, None, None)
+
+    def _load_weights(self, graph, checkpoint, rank):
+        """Parameters only: each parallel weight's rank slice (equal contiguous chunks along ``partition_dim``),
+        others whole; buffers are never touched."""
+        states = {id(p) for p in graph.states}
         with torch.no_grad():
-            for name, param in module.named_parameters():
-                if id(param) in state_names:
-                    param.zero_()  # the real StateInitializer starts every state at zero
-                elif name in checkpoint:
-                    param.copy_(checkpoint[name].to(param.dtype))
-                else:
+            for name, param in graph.model.named_parameters():
+                if id(param) in states:
+                    continue
+                if name not in checkpoint:
                     raise KeyError(f"checkpoint has no weight {name}")
-        graphs = _Graphs(module, aliases)
-        initial = [state.detach().clone() for state in graphs.states]
-        examples = {key: tuple(example) for key, (_, example, _) in self.models.items()}
-        with torch.no_grad():
-            traced = torch.jit.trace_module(graphs, examples, check_trace=False)
-            for state, value in zip(_states(traced), initial):
-                state.copy_(value)
-        prefill_tokens = int(examples["prefill"][0].shape[1])
-        return torch.jit.script(_Executor(_NxDModel(traced, prefill_tokens)))
+                full = checkpoint[name]
+                dim = getattr(param, "partition_dim", None)
+                part = full if dim is None else torch.split(full, full.shape[dim] // self.tp_degree, dim)[rank]
+                if tuple(part.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: checkpoint slice {list(part.shape)}, model {list(param.shape)}")
+                param.copy_(part.to(param.dtype))
 
 
-def _states(module):
-    """The ``states.N`` parameters of a traced module, by N."""
-    found = [(int(name.split(".")[1]), param) for name, param in module.named_parameters()
-             if name.startswith("states.")]
-    return [param for _, param in sorted(found, key=lambda item: item[0])]
+def _layout(module, aliases):
+    index = {id(p): i for p, i in aliases.items()}
+    return [(name, tuple(p.shape), p.dtype, index.get(id(p))) for name, p in module.named_parameters()]

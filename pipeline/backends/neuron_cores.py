@@ -1,0 +1,209 @@
+"""NeuronCores for one neuron process at a time: which cores a compile, a validation or a ``generate`` may use.
+
+Two facts make concurrent neuron work on one host fail unless it is coordinated:
+
+- The Neuron runtime gives *every* NeuronCore of the host to the first process that initialises it, unless
+  ``NEURON_RT_VISIBLE_CORES`` names a subset (Neuron runtime configuration guide); a second process then fails to
+  allocate cores. ModelBuilder loads the weights onto the cores at the end of its trace, ``parallel_model_trace``'s
+  rank processes initialise the runtime, and every load does.
+- ``parallel_model_trace`` makes its ranks rendezvous on a fixed port: it sets ``MASTER_PORT=2022`` itself
+  (neuronx-distributed v2.28.0 ``trace/trace.py``, ``parallel_model_trace``), so two host-prefill compiles on one host
+  cannot run at once whatever their cores.
+
+So every neuron process of this pipeline takes a **lease** first: ``tp_degree`` cores, each an ``flock`` on a file in
+a host-wide directory (``GEMMA4_NEURON_LOCK_DIR``, default ``/tmp/gemma4-neuron-cores``: host-wide because two
+checkouts on one host share its cores), held until the work ends; the kernel releases them when the holder dies,
+however it dies. The process that does the work gets ``NEURON_RT_VISIBLE_CORES`` for exactly its cores. Cores are
+chosen by ``backend.visible_cores`` (``"2-3"`` or ``"2,3"``) or, when unset, the first ``tp_degree`` contiguous free
+ones. A host-prefill compile also holds the port lease, waiting for another one to finish.
+
+A range the host does not have, or cores another lease holds, is refused before any work, naming the holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import ConfigError, PreflightError
+from pipeline.log import log
+
+LOCK_DIR_ENV = "GEMMA4_NEURON_LOCK_DIR"
+DEFAULT_LOCK_DIR = "/tmp/gemma4-neuron-cores"
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
+TRACE_PORT = 2022  # parallel_model_trace's MASTER_PORT (neuronx-distributed v2.28.0 trace/trace.py)
+
+
+def lock_dir() -> Path:
+    return Path(os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
+
+
+def parse_cores(spec: str) -> list[int]:
+    """``"2-3"`` -> [2, 3]; ``"0,1"`` -> [0, 1]; the forms ``NEURON_RT_VISIBLE_CORES`` takes. ValueError otherwise."""
+    cores: list[int] = []
+    for part in str(spec).replace(" ", "").split(","):
+        first, sep, last = part.partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{spec!r} is not a core range like '0-1' or a list like '0,1'")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise ValueError(f"{spec!r}: the range {part} runs backwards")
+        cores += range(lo, hi + 1)
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"{spec!r} names a core twice")
+    return sorted(cores)
+
+
+def format_cores(cores: list[int]) -> str:
+    """The ``NEURON_RT_VISIBLE_CORES`` form: a range when contiguous, else a list."""
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    return ",".join(map(str, cores))
+
+
+def spec_problems(spec: str | None, tp_degree: int, host_cores: int | None) -> list[str]:
+    """What is wrong with ``backend.visible_cores`` for this variant and host (empty when nothing is)."""
+    if spec is None:
+        return []
+    try:
+        cores = parse_cores(spec)
+    except ValueError as exc:
+        return [f"backend.visible_cores={spec!r}: {exc}"]
+    found = []
+    if len(cores) != tp_degree:
+        found.append(f"backend.visible_cores={spec!r} names {len(cores)} NeuronCore(s) but variant.tp_degree is "
+                     f"{tp_degree}: name exactly {tp_degree} (e.g. '0-{tp_degree - 1}'), or unset it to pick free ones")
+    if host_cores is not None and cores and cores[-1] >= host_cores:
+        have = f"0-{host_cores - 1}" if host_cores > 1 else ("0" if host_cores else "none")
+        found.append(f"backend.visible_cores={spec!r} names NeuronCores this host does not have (it has "
+                     f"{host_cores}: {have}, per neuron-ls): choose cores within that range, or unset it")
+    return found
+
+
+def _owner_file(lock: Path) -> Path:
+    return lock.with_suffix(".owner")
+
+
+def _describe_owner(lock: Path) -> str:
+    try:
+        return _owner_file(lock).read_text().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claim(path: Path, fd: int, what: str) -> None:
+    with contextlib.suppress(OSError):
+        _owner_file(path).write_text(f"{what} (pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)})\n")
+
+
+def _release(path: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        _owner_file(path).write_text("")
+    os.close(fd)  # closing the descriptor drops the flock
+
+
+@dataclass
+class Lease:
+    """Cores (and, for a host-prefill compile, the rendezvous port) held by this process until ``release``."""
+
+    cores: list[int]
+    held: list[tuple[Path, int]] = field(default_factory=list)
+
+    @property
+    def visible_cores(self) -> str:
+        return format_cores(self.cores)
+
+    def env(self) -> dict[str, str]:
+        """What the process that uses the cores must have in its environment."""
+        return {VISIBLE_CORES_ENV: self.visible_cores}
+
+    def release(self) -> None:
+        while self.held:
+            _release(*self.held.pop())
+
+
+def _core_lock(core: int) -> Path:
+    return lock_dir() / f"nc{core}.lock"
+
+
+def _take(cores: list[int], what: str) -> Lease | int:
+    """A lease on exactly ``cores``, or the first of them another process holds."""
+    lease = Lease(cores)
+    for core in cores:
+        fd = _try_lock(_core_lock(core))
+        if fd is None:
+            lease.release()
+            return core
+        lease.held.append((_core_lock(core), fd))
+    for path, fd in lease.held:
+        _claim(path, fd, what)
+    return lease
+
+
+def acquire(tp_degree: int, host_cores: int, spec: str | None, what: str) -> Lease:
+    """Lease ``tp_degree`` cores (``spec`` or the first contiguous free ones) or refuse, naming who holds them."""
+    problems = spec_problems(spec, tp_degree, host_cores)
+    if problems:
+        raise ConfigError(problems)
+    if tp_degree > host_cores:
+        raise PreflightError(f"{what} needs {tp_degree} NeuronCores; this host has {host_cores} (neuron-ls): use an "
+                             "instance with more NeuronCores, or a variant with a smaller tp_degree")
+    candidates = [parse_cores(spec)] if spec else [list(range(s, s + tp_degree))
+                                                   for s in range(0, host_cores - tp_degree + 1, tp_degree)]
+    taken = []
+    for cores in candidates:
+        lease = _take(cores, what)
+        if isinstance(lease, Lease):
+            log.info("%s: NeuronCores %s (%s=%s)", what, lease.visible_cores, VISIBLE_CORES_ENV, lease.visible_cores)
+            return lease
+        taken.append(lease)
+    holders = sorted({f"core {c}: {_describe_owner(_core_lock(c))}" for c in taken})
+    asked = f"NeuronCores {spec}" if spec else f"{tp_degree} free NeuronCores of {host_cores}"
+    raise PreflightError(f"{what} needs {asked}, but they are taken by: {'; '.join(holders)}. Wait for that work to "
+                         "finish, or give this run other cores with backend.visible_cores=A-B (the scheduler shares "
+                         "cores out by itself)")
+
+
+@contextlib.contextmanager
+def leased(tp_degree: int, host_cores: int, spec: str | None, what: str) -> Iterator[Lease]:
+    lease = acquire(tp_degree, host_cores, spec, what)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+@contextlib.contextmanager
+def trace_port(what: str) -> Iterator[None]:
+    """Hold the host's ``parallel_model_trace`` rendezvous port; waits (saying for whom) while another compile has
+    it, since the port cannot be chosen."""
+    path = lock_dir() / f"port{TRACE_PORT}.lock"
+    fd = _try_lock(path)
+    if fd is None:
+        log.info("%s: waiting for port %d, held by %s (parallel_model_trace always rendezvous on it)", what,
+                 TRACE_PORT, _describe_owner(path))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    _claim(path, fd, what)
+    try:
+        yield
+    finally:
+        _release(path, fd)

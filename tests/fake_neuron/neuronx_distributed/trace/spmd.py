@@ -1,0 +1,104 @@
+"""Test stand-in for neuronx_distributed/trace/spmd.py: ``NxDModel`` (routing, initialisation) and
+``NxDModelExecutor`` as the real ones behave at NxD v2.28.0, over the stand-in's per-rank graphs.
+
+- ``NxDModel.router``: the key is ``str`` of the list of input shapes; a miss raises ``ValueError("Input shape ...
+  not found in input_shape_map: ...")`` (~216), which reaches Python as ``torch.jit.Error``.
+- ``forward`` before ``initialize_with_saved_weights`` raises the real "This model is not initialized" ``ValueError``
+  (``SPMDBucketModelScript.forward`` ~35). Initialisation lives in the process (the stand-in runtime), not in the
+  saved file, as the real ``SPMDModel`` objects' does.
+- Every rank runs at once (``torch.jit.fork``), sharing collectives through the stand-in runtime; the result is
+  rank 0's list of non-aliased outputs (the packer's list).
+"""
+
+
+import torch
+import torch_neuronx  # noqa: F401 - registers torch.ops.neuron, as the real module imports it
+
+
+class StateGraph(torch.nn.Module):
+    """What the stand-in's compiler makes of a module and its ``{parameter: output index}`` aliases (both trace
+    paths): the aliased parameters become ``states.N`` in the alias dict's insertion order (torch-neuronx takes
+    ``tuple(input_output_aliases.keys())``), written back after each call as the runtime's input-output aliasing
+    does, and aliased outputs are not returned (ModelBuilder compiles with ``output_aliased_tensor=False``)."""
+
+    def __init__(self, model, aliases):
+        super().__init__()
+        own = {id(p) for p in model.parameters()}
+        for param in aliases:
+            if not isinstance(param, torch.nn.Parameter) or id(param) not in own:
+                raise ValueError("input_output_aliases keys must be parameters of the module get() returned")
+        self.states = torch.nn.ParameterList(list(aliases))
+        self.indices = list(aliases.values())
+        self.model = model
+
+    def forward(self, *inputs):
+        outs = self.model(*inputs)
+        for state, index in zip(self.states, self.indices):
+            state.copy_(outs[index])
+        kept = [out for i, out in enumerate(outs) if i not in self.indices]
+        return kept[0] if len(kept) == 1 else tuple(kept)
+
+
+class RankGraphs(torch.nn.Module):
+    """One rank's graph per key (sharing weights and state)."""
+
+    def __init__(self, graphs: dict[str, torch.nn.Module]):
+        super().__init__()
+        self.graphs = torch.nn.ModuleDict(graphs)
+
+    def forward(self, key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(0)
+        for name, graph in self.graphs.items():  # TorchScript cannot index a ModuleDict by a variable
+            if name == key:
+                out = graph(inputs[0], inputs[1], inputs[2], inputs[3])
+        return out
+
+
+class NxDModel(torch.nn.Module):
+    def __init__(self, ranks: torch.nn.ModuleList, input_shape_map: dict[str, tuple[str, int]], model_id: str,
+                 world_size: int):
+        super().__init__()
+        self.ranks = ranks
+        self.input_shape_map = input_shape_map
+        self.model_id = model_id
+        self.world_size = world_size
+
+    @torch.jit.export
+    def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor):
+        start_rank = torch.ops.aten.Int(start_rank_tensor)
+        if torch.ops.neuron.fake_claim_cores(self.model_id, start_rank, self.world_size) != self.world_size:
+            raise ValueError("could not load the model onto its NeuronCores")
+
+    def router(self, inputs: list[torch.Tensor]) -> tuple[str, int]:
+        actual_shape = str([tensor.shape for tensor in inputs])
+        if actual_shape not in self.input_shape_map:
+            raise ValueError(f"Input shape {actual_shape} not found in input_shape_map: {self.input_shape_map.keys()}")
+        return self.input_shape_map[actual_shape]
+
+    def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not torch.ops.neuron.fake_is_initialized(self.model_id):
+            raise ValueError("This model is not initialized, please call traced_model.nxd_model.initialize("
+                             "sharded_checkpoint) or traced_model.nxd_model.initialize_with_saved_weights()")
+        model_name, bucket_idx = self.router(inputs)
+        futures: list[torch.jit.Future[torch.Tensor]] = []
+        for i, rank in enumerate(self.ranks):
+            if i > 0:
+                futures.append(torch.jit.fork(rank, model_name, inputs))
+        result = torch.zeros(0)
+        for i, rank in enumerate(self.ranks):
+            if i == 0:
+                result = rank(model_name, inputs)
+        for future in futures:
+            torch.jit.wait(future)
+        return [result]
+
+
+class NxDModelExecutor(torch.nn.Module):
+    """Called like the traced model, ``model(*inputs)`` (the stand-in's entry points take four tensors)."""
+
+    def __init__(self, nxd_model):
+        super().__init__()
+        self.nxd_model = nxd_model
+
+    def forward(self, embeds, per_layer_tokens, positions, last_index) -> list[torch.Tensor]:
+        return self.nxd_model([embeds, per_layer_tokens, positions, last_index])

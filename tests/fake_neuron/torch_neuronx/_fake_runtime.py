@@ -1,0 +1,174 @@
+"""The stand-in's "device": NeuronCores a process holds, and the collectives a traced graph calls.
+
+Registered when ``torch_neuronx`` is imported, as the real ops are (a file that calls them cannot be loaded before):
+
+- ``neuron::fake_all_reduce(x, group, rank, world)`` and ``neuron::fake_all_gather(x, group, rank, world)`` (last
+  dimension, rank order, as NxD's ``gather_from_tensor_model_parallel_region``). Three ways to run, picked per call:
+  inside a ``parallel_model_trace`` rank process torch.distributed (gloo) is initialised and they are real
+  collectives; while ModelBuilder traces ahead of time (``parallel_state`` in AOT mode, as the real one under
+  ``mock_distributed``) they only produce the right shape; in a loaded model the ranks run as threads of one process
+  (the real ``TensorParallelNeuronModel`` runs them in a thread pool) and exchange through memory.
+- ``neuron::fake_claim_cores(model_id, start_rank, ranks)``: the runtime's core allocation. The real runtime gives a
+  process every NeuronCore of the host unless ``NEURON_RT_VISIBLE_CORES`` names a subset, and a second process
+  asking for cores in use fails (Neuron runtime configuration guide). Here a core is an ``flock`` on
+  ``$FAKE_NEURON_DEVICE_DIR/ncN.lock`` held until the process exits.
+- ``neuron::fake_is_initialized(model_id)``: whether this process loaded a ModelBuilder model's weights (the real
+  state lives in ``torch.classes.neuron.SPMDModel`` objects, never in the saved file).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_LIB = torch.library.Library("neuron", "FRAGMENT")
+_LIB.define("fake_all_reduce(Tensor x, str group, int rank, int world) -> Tensor")
+_LIB.define("fake_all_gather(Tensor x, str group, int rank, int world) -> Tensor")
+_LIB.define("fake_claim_cores(str model_id, int start_rank, int ranks) -> int")
+_LIB.define("fake_is_initialized(str model_id) -> bool")
+
+EXCHANGE_TIMEOUT_S = 120.0
+_aot = threading.local()
+
+
+def set_aot(on: bool) -> None:
+    """ModelBuilder's ahead-of-time trace: collectives produce shapes only (no peer is running)."""
+    _aot.on = on
+
+
+def _in_aot() -> bool:
+    return getattr(_aot, "on", False)
+
+
+class _Exchange:
+    """The ranks of one loaded model meeting in memory, one collective at a time."""
+
+    def __init__(self, world: int):
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=EXCHANGE_TIMEOUT_S)
+
+    def gather(self, x: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        self.slots[rank] = x.detach().clone()
+        self.barrier.wait()  # every rank has written
+        parts = list(self.slots)
+        self.barrier.wait()  # every rank has read: the slots may be reused
+        return parts
+
+
+_exchanges: dict[str, _Exchange] = {}
+_exchanges_lock = threading.Lock()
+
+
+def _exchange(group: str, world: int) -> _Exchange:
+    with _exchanges_lock:
+        if group not in _exchanges:
+            _exchanges[group] = _Exchange(world)
+        return _exchanges[group]
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Tensor:
+    if world == 1:
+        return x.clone()
+    if _in_aot():
+        return x.clone()
+    if _dist_ready():
+        import torch.distributed as dist
+
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+    parts = _exchange(group, world).gather(x, rank)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def _all_gather(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Tensor:
+    if world == 1:
+        return x.clone()
+    if _in_aot():
+        return torch.cat([x] * world, dim=-1)
+    if _dist_ready():
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+    return torch.cat(_exchange(group, world).gather(x, rank), dim=-1)
+
+
+# -- NeuronCores ---------------------------------------------------------------------------------------------------
+
+_held: dict[int, int] = {}  # core -> fd holding its flock, for the life of the process
+_initialized: set[str] = set()
+
+
+def device_dir() -> Path:
+    return Path(os.environ.get("FAKE_NEURON_DEVICE_DIR") or Path(tempfile.gettempdir()) / "fake-neuron-device")
+
+
+def host_cores() -> int:
+    return int(os.environ.get("FAKE_NEURON_CORES", "2"))
+
+
+def visible_cores() -> list[int]:
+    spec = os.environ.get("NEURON_RT_VISIBLE_CORES")
+    if not spec:
+        return list(range(host_cores()))  # the real runtime takes every core when none are named
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
+
+
+def claim_cores(ranks: int, start_rank: int = 0) -> list[int]:
+    """Hold this process's cores (once per process, as the runtime initialises once); refuse cores in use."""
+    cores = visible_cores()
+    if any(c >= host_cores() for c in cores):
+        raise RuntimeError(f"NRT: NEURON_RT_VISIBLE_CORES={os.environ.get('NEURON_RT_VISIBLE_CORES')} names cores "
+                           f"this instance does not have ({host_cores()} NeuronCores)")
+    if len(cores) - start_rank < ranks:
+        raise RuntimeError(f"NRT: {ranks} ranks from rank {start_rank} need more NeuronCores than the "
+                           f"{len(cores)} visible to this process")
+    device_dir().mkdir(parents=True, exist_ok=True)
+    for core in cores:
+        if core in _held:
+            continue
+        fd = os.open(device_dir() / f"nc{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"NRT: nrt_init: NeuronCore {core} is in use by another process; requested "
+                               f"cores {cores} (set NEURON_RT_VISIBLE_CORES to use others)") from None
+        _held[core] = fd
+    return cores
+
+
+def _claim_op(model_id: str, start_rank: int, ranks: int) -> int:
+    claim_cores(ranks, start_rank)
+    _initialized.add(model_id)
+    return ranks
+
+
+def _is_initialized(model_id: str) -> bool:
+    return model_id in _initialized
+
+
+_LIB.impl("fake_all_reduce", _all_reduce, "CompositeExplicitAutograd")
+_LIB.impl("fake_all_gather", _all_gather, "CompositeExplicitAutograd")
+_LIB.impl("fake_claim_cores", _claim_op, "CompositeExplicitAutograd")
+_LIB.impl("fake_is_initialized", _is_initialized, "CompositeExplicitAutograd")

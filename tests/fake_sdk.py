@@ -1,0 +1,109 @@
+"""Install the stand-in Neuron SDK (tests/fake_neuron) as one release of pipeline/backends/neuron_sdk.py's table.
+
+``install(dest, release)`` makes ``dest`` a site directory: the stand-in packages (linked), a ``.dist-info`` per
+Neuron package with that release's version (so ``importlib.metadata`` and pip's view of the environment report them,
+as for a real install), and ``bin/`` with ``neuronx-cc --version`` and ``neuron-ls --json-output``. ``env(dest)`` is
+what a process needs to use it. The stand-in's "device" (its NeuronCores) lives under ``dest/device``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import stat
+import sys
+from pathlib import Path
+
+from pipeline.backends import neuron_sdk
+
+FAKE = Path(__file__).resolve().parent / "fake_neuron"
+MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")
+
+
+def versions(release: str) -> dict[str, str]:
+    row = neuron_sdk.release(release)
+    return {"torch-neuronx": row.torch_neuronx_for(neuron_sdk.PINNED_TORCH) or row.torch_neuronx[0],
+            "neuronx-cc": row.neuronx_cc, "neuronx-distributed": row.neuronx_distributed,
+            "libneuronxla": row.libneuronxla}
+
+
+def _script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def install(dest: Path, release: str = neuron_sdk.PINNED, cores: int = 2) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for module in MODULES:
+        if not (dest / module).exists():
+            (dest / module).symlink_to(FAKE / module, target_is_directory=True)
+    for info in dest.glob("*.dist-info"):
+        for f in info.iterdir():
+            f.unlink()
+        info.rmdir()
+    for name, version in versions(release).items():
+        info = dest / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "INSTALLER").write_text("stand-in\n")
+    (dest / "bin").mkdir(exist_ok=True)
+    ncc = versions(release)["neuronx-cc"]
+    _script(dest / "bin" / "neuronx-cc", f"""#!/bin/sh
+# Test stand-in: neuronx-cc's --version output format.
+if [ "$1" = "--version" ]; then
+  printf 'NeuronX Compiler version {ncc}+fa4e0000\\n\\nPython version 3.11.0\\nHWM version 2.0.0\\n'
+  exit 0
+fi
+echo "stand-in neuronx-cc: only --version" >&2
+exit 2
+""")
+    devices = ", ".join(
+        f'{{"neuron_device": {d}, "bdf": "00:{0x1f - d:02x}.0", "nc_count": 2, "memory_size": 34359738368, '
+        f'"neuroncore_ids": [{2 * d}, {2 * d + 1}], "neuron_processes": []}}' for d in range(max(1, cores // 2)))
+    _script(dest / "bin" / "neuron-ls", f"""#!/bin/sh
+# Test stand-in: neuron-ls --json-output, Inferentia2 devices of 2 NeuronCores each ({cores} cores).
+if [ "$1" = "--json-output" ]; then
+  echo '[{devices}]'
+  exit 0
+fi
+echo "stand-in neuron-ls: only --json-output" >&2
+exit 2
+""")
+    return dest
+
+
+def env(dest: Path, cores: int = 2) -> dict[str, str]:
+    """The variables a process (and its children) need to run on the stand-in installed at ``dest``."""
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(dest), os.environ.get("PYTHONPATH")])),
+        "PATH": f"{dest / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_NEURON_DEVICE_DIR": str(dest / "device"),
+        "FAKE_NEURON_CORES": str(cores),
+        "GEMMA4_NEURON_LOCK_DIR": str(dest / "leases"),
+    }
+
+
+def forget_modules() -> None:
+    """Drop the stand-in's modules from this process (the next import finds whichever site is on sys.path). Its
+    runtime stays: its ops are registered with torch once per process, as the real ones are."""
+    from pipeline.backends.neuron_rank import nxd_linear_classes
+
+    nxd_linear_classes.cache_clear()
+    for name in list(sys.modules):
+        if name.split(".")[0] in MODULES and name != "torch_neuronx._fake_runtime":
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def activated(site: Path, monkeypatch, cores: int = 2):
+    """The stand-in at ``site`` importable here and in every process started from here."""
+    forget_modules()
+    monkeypatch.syspath_prepend(str(site))
+    for name, value in env(site, cores).items():
+        monkeypatch.setenv(name, value)
+    importlib.invalidate_caches()
+    try:
+        yield site
+    finally:
+        forget_modules()
