@@ -17,6 +17,8 @@ import yaml
 
 from pipeline.fsutil import sha256_file
 
+from . import fake_sdk
+
 REPO = Path(__file__).resolve().parent.parent
 COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]
 VARIANTS = ["512_fp32", "256_bf16_host"]
@@ -161,20 +163,24 @@ def test_a_launcher_sweep_is_recorded_by_dvc_commit_without_rebuilding(tmp_path)
 
 # -- a compiler upgrade, on the stand-in Neuron SDK -----------------------------------------------------------------
 
-FAKE = REPO / "tests" / "fake_neuron"
-NEURON_VARIANTS = {  # tp_degree 1: what the stand-in builds
+NEURON_VARIANTS = {  # tp_degree 1 keeps this DAG test quick; tests/test_neuron.py builds tp_degree 2
     "t1_device": {"kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device", "tp_degree": 1},
     "t1_host": {"kv_max": 256, "bucket": 64, "dtype": "bf16", "prefill": "host", "tp_degree": 1},
 }
+UPGRADE = ("2.28.1", "2.29.0")  # neuronx-cc 2.23.6484.0 -> 2.24.5133.0, with the rest of each release
 
 
-def neuron_env(compiler: str) -> dict:
-    return {"PYTHONPATH": str(FAKE), "PATH": str(FAKE / "bin"), "FAKE_NEURONX_CC_VERSION": compiler}
+def neuron_env(site: Path, release: str) -> dict:
+    """The stand-in SDK installed as ``release`` (reinstalled in place: an upgrade); dvc() puts its bin/ first."""
+    return {**fake_sdk.env(fake_sdk.install(site, release)), "PATH": str(site / "bin")}
 
 
 def stand_in_variants(dst: Path) -> None:
     for name, fields in NEURON_VARIANTS.items():
         (dst / "conf" / "variant" / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **fields}))
+    backend = yaml.safe_load((dst / "conf" / "backend" / "neuron.yaml").read_text())
+    backend["allow_unsupported_host_prefill"] = True  # 2.29 does not build host prefill unless asked
+    (dst / "conf" / "backend" / "neuron.yaml").write_text(yaml.safe_dump(backend))
     quicker_validation(dst)
     validate = yaml.safe_load((dst / "conf" / "validate" / "default.yaml").read_text())
     validate["throughput"].update(contexts=["short"], decode_tokens=4)
@@ -192,13 +198,14 @@ def neuron_repo(tmp_path_factory) -> Path:
                          backend="neuron")
 
 
-def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing_else(neuron_repo):
-    first = dvc(neuron_repo, "repro", env=neuron_env("9.9.9.9+fa4e0000"))
+def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing_else(neuron_repo, tmp_path):
+    site = tmp_path / "neuron-sdk"
+    first = dvc(neuron_repo, "repro", env=neuron_env(site, UPGRADE[0]))
     assert {"model", "reference", "trace@t1_device", "publish@t1_host"} <= set(ran(first))
-    upgraded = dvc(neuron_repo, "repro", env=neuron_env("9.9.10.0+fa4e0001"))
+    upgraded = dvc(neuron_repo, "repro", env=neuron_env(site, UPGRADE[1]))
     expected = {"toolchain"} | {f"{stage}@{v}" for v in NEURON_VARIANTS
                                  for stage in ("trace", "package", "validate", "publish")}
     assert set(ran(upgraded)) == expected
     tags = subprocess.run(["git", "tag"], cwd=neuron_repo / "artifacts" / "published", capture_output=True,
                           text=True, check=True).stdout.split()
-    assert sorted(tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS for c in ("9.9.9.9", "9.9.10.0"))
+    assert sorted(tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS for c in ("2.23.6484.0", "2.24.5133.0"))

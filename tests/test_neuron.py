@@ -7,7 +7,10 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import os
+import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from pipeline.recipe.parallel import Parallel
 from pipeline.recipe.plan import ShardPlan, load_rank_state
 from pipeline.recipe.spec import load_spec
 
+from . import fake_sdk
 from .helpers import CONF, FAST_VALIDATE, neuron_config, run
 
 SEED_BF16_ARGS = ["--model-type", "transformer", "--auto-cast", "all", "--auto-cast-type", "bf16"]
@@ -260,6 +264,117 @@ def test_failure_text_is_classified():
     assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") == "device_oom"
     assert classify_failure("ERROR NCC_EOOM001") == "device_oom"
     assert classify_failure("returned: -90 lines") is None and classify_failure("shape mismatch") is None
+
+
+# -- the SDK release, NeuronCores and the rendezvous port: refused before any compile -------------------------------
+
+def _prepared(root: Path, variant: str, *overrides: str):
+    """A config whose toolchain and model stages have run: the next stage is the trace."""
+    cfg = neuron_config(root, variant, *overrides)
+    run(cfg, "toolchain")
+    run(cfg, "model")
+    return cfg
+
+
+def _nothing_built(root: Path, variant: str) -> bool:
+    variant_dir = root / "gemma4_tiny" / variant
+    return not variant_dir.exists() or not any(p.name != "validate" for p in variant_dir.iterdir())
+
+
+def test_an_installed_mix_of_sdk_releases_is_refused_before_any_compile(fake_neuron, tmp_path):
+    info = next(fake_neuron.glob("neuronx_cc-*.dist-info"))
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-cc\nVersion: 2.24.5133.0\n")
+    cfg = _prepared(tmp_path, "512_bf16")
+    with pytest.raises(BuildError, match=r"(?s)not one Neuron SDK release: torch-neuronx 2.8.0.2.12.22436, "
+                                         r"neuronx-cc 2.24.5133.0.*belongs to release 2.29.0.*pip install -e"):
+        run(cfg, "trace")
+    assert _nothing_built(tmp_path, "512_bf16")
+    assert missing_api("device", check_release=False) is None  # backend.check_sdk_release=false lets it through
+
+
+@pytest.mark.parametrize(("release", "host_prefill"), [("2.26.1", "built"), ("2.28.1", "built with a warning"),
+                                                        ("2.29.0", "refused"), ("2.27.1", "refused")])
+def test_host_prefill_is_decided_by_the_installed_sdk_release(monkeypatch, tmp_path, caplog, release, host_prefill):
+    site = fake_sdk.install(tmp_path / "sdk", release)
+    with fake_sdk.activated(site, monkeypatch):
+        assert missing_api("device") is None
+        reason = missing_api("host")
+        if host_prefill == "refused":
+            assert f"nothing has shown it to work on the installed SDK {release}" in reason
+            assert "backend.allow_unsupported_host_prefill=true" in reason
+            assert missing_api("host", allow_unsupported_host_prefill=True) is None
+            cfg = _prepared(tmp_path / "a", "256_bf16_host")
+            with pytest.raises(BuildError, match="no longer supports from SDK 2.27"):
+                run(cfg, "trace")
+            assert _nothing_built(tmp_path / "a", "256_bf16_host")
+        else:
+            assert reason is None
+            assert ("unsupported by Neuron, verified by the seed recipe" in caplog.text) == (host_prefill != "built")
+
+
+def test_neuroncores_the_host_lacks_or_another_run_holds_are_refused_before_any_compile(fake_neuron, tmp_path):
+    from pipeline.backends import neuron_cores
+    from pipeline.errors import PreflightError
+
+    with pytest.raises(ConfigError, match=r"backend.visible_cores='0-2' names 3 NeuronCore\(s\) but "
+                                          r"variant.tp_degree is 2"):
+        neuron_config(tmp_path, "512_bf16", "backend.visible_cores=0-2")
+    cfg = _prepared(tmp_path, "512_bf16", "backend.visible_cores=2-3")
+    with pytest.raises(ConfigError, match=r"names NeuronCores this host does not have \(it has 2: 0-1"):
+        run(cfg, "trace")
+    assert _nothing_built(tmp_path, "512_bf16")
+    with neuron_cores.leased(2, 2, None, "another build"):
+        cfg = _prepared(tmp_path, "512_bf16")
+        with pytest.raises(PreflightError, match=r"needs 2 free NeuronCores of 2, but they are taken by: core 0: "
+                                                 r"another build \(pid"):
+            run(cfg, "trace")
+        assert _nothing_built(tmp_path, "512_bf16")
+    run(cfg, "trace")  # released: the same run now builds
+    assert (tmp_path / "gemma4_tiny" / "512_bf16" / "build" / "model.pt").is_file()
+
+
+def test_core_leases_share_out_a_hosts_cores_and_the_trace_port_waits(tmp_path, monkeypatch):
+    from pipeline.backends import neuron_cores
+    from pipeline.errors import PreflightError
+
+    monkeypatch.setenv("GEMMA4_NEURON_LOCK_DIR", str(tmp_path))
+    first = neuron_cores.acquire(2, 4, None, "first")
+    second = neuron_cores.acquire(2, 4, None, "second")
+    assert (first.visible_cores, second.visible_cores) == ("0-1", "2-3")
+    assert second.env() == {"NEURON_RT_VISIBLE_CORES": "2-3"}
+    with pytest.raises(PreflightError, match="core 0: first .*core 2: second"):
+        neuron_cores.acquire(2, 4, None, "third")
+    first.release()
+    assert neuron_cores.acquire(2, 4, "0,1", "third").visible_cores == "0-1"
+    # the port: a second holder waits for the first (another process), and says for whom
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pipeline.backends import neuron_cores\n"
+                               "with neuron_cores.trace_port('a host-prefill compile'):\n"
+                               "    print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "GEMMA4_NEURON_LOCK_DIR": str(tmp_path)})
+    assert holder.stdout.readline().strip() == "held"
+    waiter = subprocess.Popen([sys.executable, "-c", "import logging\nfrom pipeline.backends import neuron_cores\n"
+                               "logging.basicConfig(level=logging.INFO)\n"
+                               "with neuron_cores.trace_port('another compile'):\n    print('got it', flush=True)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GEMMA4_NEURON_LOCK_DIR": str(tmp_path)})
+    with pytest.raises(subprocess.TimeoutExpired):
+        waiter.wait(timeout=3)
+    holder.communicate("")
+    out, err = waiter.communicate(timeout=30)
+    assert "waiting for port 2022, held by a host-prefill compile" in err and out.strip() == "got it"
+
+
+def test_a_failed_host_prefill_compile_keeps_its_log_where_the_error_says(fake_neuron, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURON_COMPILE_ERROR", "NCC_IBIR158 unsupported operator")
+    cfg = _prepared(tmp_path, "256_bf16_host")
+    with pytest.raises(BuildError) as failed:
+        run(cfg, "trace")
+    kept = re.search(r"logs \(log-neuron-cc.txt\) are kept in (\S+)", str(failed.value))
+    assert kept, str(failed.value)
+    log = Path(kept.group(1)) / "log-neuron-cc.txt"
+    assert "NCC_IBIR158 unsupported operator" in log.read_text()
+    assert not (tmp_path / "gemma4_tiny" / "256_bf16_host" / "build").exists()
 
 
 # -- the whole pipeline on the stand-in ----------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def host_cores(request: TraceRequest) -> int:
 def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
     """The compiler's scratch directory: always a subdirectory this backend owns (ModelBuilder wipes it)."""
     base = request.workdir if request.workdir is not None else out_dir.parent
-    return Path(base) / f"compile-{out_dir.parent.parent.name}-{out_dir.parent.name}"
+    return (Path(base) / f"compile-{out_dir.parent.parent.name}-{out_dir.parent.name}").resolve()
 
 
 def state_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -142,8 +142,9 @@ def make_job(checkpoint: CheckpointRef, shape: BuildShape, compiler_args: list[s
         "shape": {"kv_max": shape.kv_max, "bucket": shape.bucket, "dtype": shape.dtype, "prefill": shape.prefill,
                   "tp_degree": shape.tp_degree},
         "compiler_args": list(compiler_args),
-        "out_dir": str(out_dir),
-        "workdir": str(workdir),
+        # Absolute: the compile runs in its work directory, not where the stage was started.
+        "out_dir": str(Path(out_dir).resolve()),
+        "workdir": str(Path(workdir).resolve()),
         "max_parallel": max_parallel,
         "compile_cache_dir": compile_cache_dir,
     }

@@ -16,8 +16,14 @@ __version__ = importlib.metadata.version("torch-neuronx")  # the dist-info tests
 def move_trace_to_device(trace, device_id):
     """Put a loaded rank on its NeuronCore. As the real one, the ``states.N`` parameters the model holds are
     replaced with new tensors (the device copies; initial values carried over): references taken before are
-    orphaned (neuronx-distributed v2.28.0 trace/trace.py, TensorParallelNeuronModel._load)."""
-    states = trace.states
-    for name in list(states._parameters.keys()):
-        old = states._parameters[name]
-        states._parameters[name] = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+    orphaned (neuronx-distributed v2.28.0 trace/trace.py, TensorParallelNeuronModel._load). Every attribute of the
+    rank that held a state tensor now holds its device copy (the real rank has only the states)."""
+    moved = {}
+    for name in list(trace.states._parameters.keys()):
+        old = trace.states._parameters[name]
+        moved[id(old)] = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+    for module in trace.modules():
+        for name in list(module._parameters.keys()):
+            param = module._parameters[name]
+            if param is not None and id(param) in moved:
+                module._parameters[name] = moved[id(param)]

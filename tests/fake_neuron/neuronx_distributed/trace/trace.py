@@ -20,8 +20,10 @@ the pipeline depends on:
 """
 
 import concurrent.futures
+import datetime
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import traceback
@@ -89,7 +91,8 @@ def _trace_rank(rank, func, example_inputs, compiler_workdir, compiler_args, tp_
     try:
         os.environ["RANK"] = str(rank)
         os.environ["FAKE_NXD_GROUP"] = group
-        torch.distributed.init_process_group("gloo", init_method="env://", rank=rank, world_size=tp_degree)
+        torch.distributed.init_process_group("gloo", init_method="env://", rank=rank, world_size=tp_degree,
+                                             timeout=datetime.timedelta(seconds=120))
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree)
         with open(LOG_NAME, "a") as log:  # into the current directory, see the module docstring
             log.write(f"stand-in neuronx-cc, rank {rank}, args: {compiler_args}\n")
@@ -146,8 +149,7 @@ def parallel_model_trace(
                                                     tp_degree, group, queue)) for rank in range(tp_degree)]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join()
+    _join_or_stop_all(procs)
     results = {}
     while not queue.empty():
         status, rank, payload = queue.get()
@@ -158,6 +160,22 @@ def parallel_model_trace(
     if failed or len(results) != tp_degree:
         raise RuntimeError(f"process {failed} terminated with exit codes {[p.exitcode for p in procs]}")
     return TensorParallelNeuronModel([torch.jit.load(results[rank]) for rank in range(tp_degree)])
+
+
+def _join_or_stop_all(procs) -> None:
+    """Wait for every rank; when one fails, stop the others (as torch.multiprocessing.spawn, under xmp.spawn, does)."""
+    pending = list(procs)
+    while pending:
+        ready = multiprocessing.connection.wait([p.sentinel for p in pending])
+        for proc in [p for p in pending if p.sentinel in ready]:
+            proc.join()
+            pending.remove(proc)
+            if proc.exitcode != 0:
+                for other in pending:
+                    other.terminate()
+                for other in pending:
+                    other.join()
+                pending = []
 
 
 def parallel_model_save(model: ParallelModel, save_dir: str) -> None:

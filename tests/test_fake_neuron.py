@@ -1,0 +1,201 @@
+"""The stand-in Neuron SDK (tests/fake_neuron) is at least as strict as the real one where the pipeline depends on it.
+
+Each behaviour below is one the real SDK has (tests/fake_neuron/README.md says where each comes from) and one the
+pipeline's code once got wrong or could: a model that replaces its state on its first forward, a ``model.pt`` that
+needs ``torch_neuronx`` imported, routing by input shapes, ranks traced in spawned processes with real collectives,
+the state order, NeuronCores a loaded model holds, and the fixed rendezvous port. Everything that loads a model
+runs in its own process: a process that initialises the runtime holds its NeuronCores until it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from . import fake_sdk
+from .helpers import neuron_config, run
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sdk(tmp_path_factory):
+    """The stand-in on a host with 4 NeuronCores (two Inferentia2 devices)."""
+    site = fake_sdk.install(tmp_path_factory.mktemp("sdk"), cores=4)
+    with pytest.MonkeyPatch.context() as mp, fake_sdk.activated(site, mp, cores=4):
+        yield site
+
+
+@pytest.fixture(scope="module")
+def built(sdk, tmp_path_factory) -> dict[str, Path]:
+    """A device-prefill (model.pt) and a host-prefill (tp_0.pt, tp_1.pt) build of the tiny model, tp_degree 2."""
+    root = tmp_path_factory.mktemp("built")
+    for variant in ("512_fp32", "256_bf16_host"):
+        cfg = neuron_config(root, variant)
+        for stage in ("toolchain", "model", "trace"):
+            run(cfg, stage)
+    return {"device": root / "gemma4_tiny" / "512_fp32" / "build" / "model.pt",
+            "host": root / "gemma4_tiny" / "256_bf16_host" / "build"}
+
+
+def python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter on the stand-in (its environment as the fixture set it)."""
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]), **(env or {})}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full, timeout=timeout, cwd=REPO)
+
+
+INPUTS = """
+import torch
+def inputs(tokens, hidden=128, layers=8, ple=16):
+    return (torch.zeros(1, tokens, hidden), torch.zeros(1, tokens, layers, ple), torch.arange(tokens).view(1, -1),
+            torch.tensor([tokens - 1]))
+"""
+
+
+def test_model_pt_cannot_be_loaded_before_torch_neuronx_is_imported(built):
+    bare = python(f"import torch; torch.jit.load({str(built['device'])!r})")
+    assert bare.returncode != 0 and "neuron::" in bare.stderr  # an operator only torch_neuronx registers
+    imported = python(f"import torch, torch_neuronx; torch.jit.load({str(built['device'])!r}); print('loaded')")
+    assert imported.returncode == 0 and "loaded" in imported.stdout, imported.stderr
+
+
+def test_a_loaded_model_pt_runs_only_once_initialised_and_routes_by_every_input_shape(built):
+    out = python(INPUTS + f"""
+import torch_neuronx
+model = torch.jit.load({str(built['device'])!r})
+for attempt in ("before", "after"):
+    try:
+        model(*inputs(1))
+        print(attempt, "ran")
+    except Exception as exc:
+        print(attempt, type(exc).__name__, str(exc).splitlines()[-1][:160])
+    model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+for tokens in (128, 129):  # the bucket, and one token more
+    try:
+        logits = model(*inputs(tokens))[0]
+        print(tokens, "ran", list(logits.shape))
+    except torch.jit.Error as exc:
+        print(tokens, "jit.Error", "not found in input_shape_map" in str(exc))
+""")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("before Error") and "This model is not initialized" in lines[0]
+    assert lines[1] == "after ran"
+    assert lines[2] == "128 ran [1, 512]" and lines[3] == "129 jit.Error True"
+
+
+def test_a_loaded_per_rank_model_replaces_its_state_parameters_on_its_first_forward(built):
+    out = python(INPUTS + f"""
+from neuronx_distributed.trace import parallel_model_load
+model = parallel_model_load({str(built['host'])!r})
+def states():
+    return [[p for n, p in rank.named_parameters() if n.startswith("states.")] for rank in model.models]
+before = states()
+before[0][0].data.fill_(7.0)  # written before any call: carried to the device
+model(*inputs(1))
+after = states()
+print(all(a is not b for ra, rb in zip(after, before) for a, b in zip(ra, rb)), len(after[0]))
+print(float(after[0][0][0, 0, 1, 0]))
+""")
+    assert out.returncode == 0, out.stderr
+    replaced, count = out.stdout.split()[:2]
+    assert replaced == "True" and int(count) > 0
+    assert float(out.stdout.split()[2]) == 7.0  # slot 1 untouched by the call at position 0: the seeded value
+
+
+def test_a_second_process_cannot_take_neuroncores_in_use(built, sdk):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, torch, torch_neuronx
+        model = torch.jit.load({str(built['device'])!r})
+        model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-1"})
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        load = f"""
+import torch, torch_neuronx
+model = torch.jit.load({str(built['device'])!r})
+model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+print("loaded")
+"""
+        every_core = python(load)  # no NEURON_RT_VISIBLE_CORES: the runtime wants all 4
+        assert every_core.returncode != 0 and "NeuronCore 0 is in use by another process" in every_core.stderr
+        same = python(load, {"NEURON_RT_VISIBLE_CORES": "0-1"})
+        assert same.returncode != 0 and "in use by another process" in same.stderr
+        other = python(load, {"NEURON_RT_VISIBLE_CORES": "2-3"})
+        assert other.returncode == 0 and "loaded" in other.stdout, other.stderr
+    finally:
+        holder.communicate("")
+    assert python(load, {"NEURON_RT_VISIBLE_CORES": "0-1"}).returncode == 0  # released when the holder exited
+
+
+class TwoStates(nn.Module):
+    """Two aliased parameters whose outputs come in the opposite order to their aliasing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(2), requires_grad=False)
+
+    def forward(self, x):
+        return x.sum(), self.a + 1.0, self.b + 2.0
+
+
+def two_states(delay_s: float = 0.0):
+    """``parallel_model_trace``'s ``func``: aliases inserted b first, though b is output 2 and a output 1."""
+    time.sleep(delay_s)
+    module = TwoStates()
+    return module, {module.b: 2, module.a: 1}
+
+
+def test_parallel_model_trace_spawns_its_ranks_and_orders_state_by_alias_insertion(sdk, tmp_path):
+    out = python(f"""
+import os, torch
+from neuronx_distributed.trace import parallel_model_trace
+from tests.test_fake_neuron import two_states
+try:
+    parallel_model_trace(lambda: two_states(), (torch.ones(2),), tp_degree=2, compiler_workdir={str(tmp_path)!r})
+except Exception as exc:
+    print("lambda:", type(exc).__name__)
+model = parallel_model_trace(two_states, (torch.ones(2),), tp_degree=2, compiler_workdir={str(tmp_path)!r})
+model(torch.ones(2))
+rank = model.models[1]
+print(os.environ["MASTER_PORT"], [(n, float(p[0])) for n, p in rank.named_parameters(remove_duplicate=False)])
+""")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] in ("lambda: PicklingError", "lambda: AttributeError")  # ranks are spawned: func must pickle
+    # states.0 is b (inserted first), written from output 2; states.1 is a, from output 1; the module's own
+    # attributes are the same (moved) tensors
+    assert lines[1] == "2022 [('states.0', 2.0), ('states.1', 1.0), ('model.a', 1.0), ('model.b', 2.0)]"
+
+
+def test_two_parallel_model_traces_at_once_collide_on_the_fixed_port(sdk, tmp_path):
+    code = """
+import functools, torch
+from neuronx_distributed.trace import parallel_model_trace
+from tests.test_fake_neuron import two_states
+parallel_model_trace(functools.partial(two_states, {delay}), (torch.ones(2),), tp_degree=2,
+                     compiler_workdir={workdir!r})
+print("traced")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])}
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code.format(delay=8, workdir=str(tmp_path / "a")))],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    time.sleep(4)  # the first trace's ranks now hold port 2022 while func sleeps
+    second = python(code.format(delay=0, workdir=str(tmp_path / "b")), timeout=120)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and "traced" in out, err
+    assert second.returncode != 0 and ("address already in use" in second.stderr.lower()
+                                       or "EADDRINUSE" in second.stderr), second.stderr[-2000:]
