@@ -3,7 +3,8 @@
 Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py),
 ``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py),
 ``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/schedule.py: many variants at once, memory permitting) and
-``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: newer Neuron compiler packages?).
+``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: newer Neuron compiler packages?) and
+``python -m pipeline neuron-check`` (pipeline/neuron_check.py: the first run on an inf2 host, every layout).
 
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -96,7 +97,14 @@ def _check_upgrades(argv: list[str]) -> int:
     return upgrades_main(argv)
 
 
-SUBCOMMANDS = {"pull": _pull, "generate": _generate, "schedule": _schedule, "check-upgrades": _check_upgrades}
+def _neuron_check(argv: list[str]) -> int:
+    from pipeline.neuron_check import main as check_main
+
+    return check_main(argv)
+
+
+SUBCOMMANDS = {"pull": _pull, "generate": _generate, "schedule": _schedule, "check-upgrades": _check_upgrades,
+               "neuron-check": _neuron_check}
 
 
 def main() -> None:

@@ -307,7 +307,7 @@ def test_validate_refuses_a_tampered_artifact_before_loading(signed_project, tmp
         from pipeline.validation import run_job
 
         # In this process, where loading is forbidden.
-        monkeypatch.setattr(validate, "run_fresh", lambda job, host=None, need=None: run_job(job))
+        monkeypatch.setattr(validate, "run_fresh", lambda job, host=None, need=None, env=None: run_job(job))
     with pytest.raises(IntegrityError, match=expected):
         run(cfg, "validate")
 

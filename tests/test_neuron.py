@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shlex
@@ -333,6 +334,31 @@ def test_neuroncores_the_host_lacks_or_another_run_holds_are_refused_before_any_
     assert (tmp_path / "gemma4_tiny" / "512_bf16" / "build" / "model.pt").is_file()
 
 
+def test_a_validation_runs_on_the_cores_its_lease_names(monkeypatch, tmp_path, caplog):
+    """Another process holds NeuronCores 0-1 (its lease and, as its runtime would, the device cores): on a 4-core
+    host the validation leases 2-3 and its process, given NEURON_RT_VISIBLE_CORES=2-3, loads there."""
+    caplog.set_level(logging.INFO, logger="pipeline")
+    site = fake_sdk.install(tmp_path / "sdk", cores=4)
+    with fake_sdk.activated(site, monkeypatch, cores=4):
+        cfg = _prepared(tmp_path / "a", "512_fp32", *FAST_VALIDATE)
+        for stage in ("reference", "trace", "package"):
+            run(cfg, stage)
+        holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pipeline.backends import neuron_cores\n"
+                                   "from torch_neuronx import _fake_runtime\n"
+                                   "with neuron_cores.leased(2, 4, '0-1', 'a validation of another variant'):\n"
+                                   "    _fake_runtime.claim_cores(2)\n    print('held', flush=True); sys.stdin.read()"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-1"})
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            run(cfg, "validate")
+        finally:
+            holder.communicate("")
+    assert "validating 512_fp32: NeuronCores 2-3 (NEURON_RT_VISIBLE_CORES=2-3)" in caplog.text
+    metrics = json.loads((tmp_path / "a" / "gemma4_tiny" / "512_fp32" / "metrics.json").read_text())
+    assert metrics["parity"]["passed"]
+
+
 def test_core_leases_share_out_a_hosts_cores_and_the_trace_port_waits(tmp_path, monkeypatch):
     from pipeline.backends import neuron_cores
     from pipeline.errors import PreflightError
@@ -440,3 +466,46 @@ def test_the_neuron_preflight_refuses_a_host_without_neuroncores(tmp_path):
     with pytest.raises(PreflightError, match="needs 2 NeuronCores but neuron-ls is not available"):
         run(cfg, "trace")
     assert not (tmp_path / "gemma4_tiny" / "512_bf16" / "build").exists()
+
+
+# -- the first run on an inf2 host -------------------------------------------------------------------------------
+
+def _neuron_check(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "neuron-check"], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=Path(__file__).resolve().parent.parent, timeout=600)
+
+
+def test_neuron_check_runs_every_layout_and_gives_a_verdict_per_check(fake_neuron):
+    out = _neuron_check({})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()[1:] if line.strip()}
+    assert "Neuron SDK 2.28.1" in rows["Neuron packages"]
+    assert "exact parity on 3/3 prompts" in rows["device prefill (ModelBuilder, model.pt): load and decode"]
+    # three prompts, each re-seeding the ranks' state after the first forward replaced it
+    assert "logits parity on 3/3 prompts" in rows["host prefill (parallel_model_trace, tp_N.pt): load and decode"]
+    assert "7 of 7 checks passed" in out.stdout
+
+
+def test_neuron_check_without_the_packages_says_what_to_install_and_skips_the_rest():
+    out = _neuron_check({})
+    assert out.returncode == 1
+    assert re.search(r"Neuron packages\s+FAIL .*pip install -e '\.\[neuron\]'", out.stdout)
+    assert out.stdout.count("skipped") == 6 and "1 of 7 checks passed" not in out.stdout
+    assert "0 of 7 checks passed" in out.stdout
+
+
+def test_a_process_that_loads_a_build_by_itself_leases_its_cores_for_its_lifetime(fake_neuron):
+    """generate (and any other loader not started by a stage) takes its own lease and names its cores to the
+    runtime; the lease lasts until the process exits, as the runtime's hold on the cores does."""
+    code = ("import os, sys\nfrom pipeline.backends.neuron import lease_for_this_process\n"
+            "lease_for_this_process(2)\nprint(os.environ['NEURON_RT_VISIBLE_CORES'], flush=True)\nsys.stdin.read()")
+    first = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "0-1"
+        second = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True)
+        assert second.returncode != 0 and "taken by: core 0: loading a build in process" in second.stderr
+        given = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True,
+                               env={**os.environ, "NEURON_RT_VISIBLE_CORES": "1"})
+        assert given.returncode == 0 and given.stdout.strip() == "1"  # the caller's choice is kept
+    finally:
+        first.communicate("")

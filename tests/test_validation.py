@@ -160,7 +160,7 @@ def test_a_prompt_longer_than_the_variant_allows_is_refused_before_loading(proje
 
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE, "validate.prompt_names=[capital,spans_512]")
-    monkeypatch.setattr(validate, "run_fresh", lambda job: pytest.fail("validation started"))
+    monkeypatch.setattr(validate, "run_fresh", lambda job, *_: pytest.fail("validation started"))
     with pytest.raises(InputError, match=r"'spans_512' has 1099 tokens; .* variant.kv_max is 512"):
         run(cfg, "validate")
 

@@ -141,6 +141,20 @@ def core_lease(tp_degree: int, spec: str | None, what: str, host_cores: int | No
     return acquire(tp_degree, host_neuron_cores() if host_cores is None else host_cores, spec, what)
 
 
+_process_lease: Lease | None = None
+
+
+def lease_for_this_process(tp_degree: int) -> None:
+    """Give this process NeuronCores before the runtime initialises. A process that was given its cores (a validation
+    its stage leased them for, or a user's NEURON_RT_VISIBLE_CORES) keeps them; otherwise it leases some and sets
+    NEURON_RT_VISIBLE_CORES, holding the lease until it exits (the runtime keeps the cores until then too)."""
+    global _process_lease
+    if os.environ.get(VISIBLE_CORES_ENV):
+        return
+    _process_lease = core_lease(tp_degree, None, f"loading a build in process {os.getpid()}")
+    os.environ.update(_process_lease.env())
+
+
 def compile_env(lease: Lease) -> dict[str, str]:
     """The compile process's environment: its NeuronCores, and this package importable from any directory."""
     package_root = str(Path(__file__).resolve().parents[2])
@@ -300,7 +314,7 @@ class NeuronRunner(RankRunner):
             raise IntegrityError(f"{build.directory} holds {names}, a {shape.prefill}-prefill tp_degree "
                                  f"{shape.tp_degree} neuron build needs {expected}")
         started = time.monotonic()
-        self.lease = None if os.environ.get(VISIBLE_CORES_ENV) else core_lease(shape.tp_degree, None, "loading a build")
+        lease_for_this_process(shape.tp_degree)
         try:
             build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
             if layout(shape) == NXD_MODEL:
@@ -355,9 +369,6 @@ class NeuronRunner(RankRunner):
 
     def close(self) -> None:
         self.model = None
-        if getattr(self, "lease", None) is not None:
-            self.lease.release()
-            self.lease = None
 
     def __enter__(self) -> NeuronRunner:
         return self
