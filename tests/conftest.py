@@ -85,6 +85,23 @@ def fake_neuron(monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def neuron_checked(tmp_path_factory):
+    """``python -m pipeline neuron-check --keep DIR`` on the stand-in SDK (tp_degree 2): its completed process, and
+    the artifacts folder it built (512_fp32 device prefill, 256_bf16_host host prefill; nothing published)."""
+    import subprocess
+    import sys
+
+    from . import fake_sdk
+
+    site = fake_sdk.install(tmp_path_factory.mktemp("neuron-sdk"))
+    keep = tmp_path_factory.mktemp("neuron-check")
+    out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check", "--keep", str(keep)], capture_output=True,
+                         text=True, env={**os.environ, **fake_sdk.env(site)}, cwd=Path(__file__).parent.parent,
+                         timeout=600)
+    return out, keep / "artifacts"
+
+
+@pytest.fixture(scope="session")
 def validated_512_fp32(tmp_path_factory) -> Path:
     """A healthy 512_fp32 build of the tiny model, traced, packaged, validated (tests.helpers.FAST_VALIDATE) and
     published to the local target. Shared: a test that changes anything works on a copy."""

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from . import fake_sdk
-from .helpers import neuron_config, run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,13 +34,10 @@ def sdk(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def built(sdk, tmp_path_factory) -> dict[str, Path]:
+def built(neuron_checked, sdk) -> dict[str, Path]:
     """A device-prefill (model.pt) and a host-prefill (tp_0.pt, tp_1.pt) build of the tiny model, tp_degree 2."""
-    root = tmp_path_factory.mktemp("built")
-    for variant in ("512_fp32", "256_bf16_host"):
-        cfg = neuron_config(root, variant)
-        for stage in ("toolchain", "model", "trace"):
-            run(cfg, stage)
+    out, root = neuron_checked
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     return {"device": root / "gemma4_tiny" / "512_fp32" / "build" / "model.pt",
             "host": root / "gemma4_tiny" / "256_bf16_host" / "build"}
 
@@ -191,9 +187,9 @@ parallel_model_trace(functools.partial(two_states, {delay}), (torch.ones(2),), t
 print("traced")
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])}
-    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code.format(delay=8, workdir=str(tmp_path / "a")))],
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code.format(delay=5, workdir=str(tmp_path / "a")))],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    time.sleep(4)  # the first trace's ranks now hold port 2022 while func sleeps
+    time.sleep(3)  # the first trace's ranks now hold port 2022 while func sleeps
     second = python(code.format(delay=0, workdir=str(tmp_path / "b")), timeout=120)
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0 and "traced" in out, err

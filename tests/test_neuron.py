@@ -409,13 +409,12 @@ def _manifest(root: Path, variant: str) -> dict:
     return json.loads((root / "gemma4_tiny" / variant / "dist" / "manifest.json").read_text())
 
 
-def test_device_prefill_end_to_end_on_the_stand_in(fake_neuron, tmp_path):
-    cfg = neuron_config(tmp_path, "512_fp32", *FAST_VALIDATE)
-    run(cfg)
-    variant_dir = tmp_path / "gemma4_tiny" / "512_fp32"
-    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["model.pt"]
+def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
+    out, root = neuron_checked
+    variant_dir = root / "gemma4_tiny" / "512_fp32"
+    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["model.pt"], out.stderr[-3000:]
     assert not any(p.name.startswith("compile-") for p in variant_dir.iterdir())  # work files removed on success
-    manifest = _manifest(tmp_path, "512_fp32")
+    manifest = _manifest(root, "512_fp32")
     assert manifest["layout"] == "nxd_model" and manifest["version"] == "512_fp32-ncc2.23.6484.0"
     assert manifest["variant"]["tp_degree"] == 2
     assert manifest["compiler"]["args"] == FP32_ARGS
@@ -426,22 +425,24 @@ def test_device_prefill_end_to_end_on_the_stand_in(fake_neuron, tmp_path):
     assert build["trace"]["api"] == "ModelBuilder"
     assert build["trace"]["effective_compiler_args"] == FP32_ARGS + ["-O1", "--verbose=35"]
     metrics = json.loads((variant_dir / "metrics.json").read_text())
-    # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand.
-    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"]
+    # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand;
+    # and the load passes only with torch_neuronx imported first.
+    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"] and metrics["parity"]["prompts"] == 3
 
 
-def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(fake_neuron, tmp_path):
-    cfg = neuron_config(tmp_path, "256_bf16_host", *FAST_VALIDATE)
-    run(cfg)
-    variant_dir = tmp_path / "gemma4_tiny" / "256_bf16_host"
-    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["tp_0.pt", "tp_1.pt"]
-    manifest = _manifest(tmp_path, "256_bf16_host")
+def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_checked):
+    out, root = neuron_checked
+    variant_dir = root / "gemma4_tiny" / "256_bf16_host"
+    assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["tp_0.pt", "tp_1.pt"], out.stderr[-3000:]
+    manifest = _manifest(root, "256_bf16_host")
     assert manifest["layout"] == "per_rank" and manifest["compiler"]["args"] == SEED_BF16_ARGS
     build = json.loads((variant_dir / "build.json").read_text())
     assert build["trace"]["api"] == "parallel_model_trace"
     metrics = json.loads((variant_dir / "metrics.json").read_text())
-    # Decoding after the host prefill stays within bf16 noise of the reference only if every cache was seeded.
-    assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"]
+    # Within bf16 noise of the reference on every prompt only if each prompt's caches were seeded where the loaded
+    # model reads them: its first forward replaced the state parameters, so the second and third prompts fail
+    # unless they are read afresh.
+    assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"] and metrics["parity"]["prompts"] == 3
 
 
 def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, tmp_path, monkeypatch):
@@ -470,13 +471,8 @@ def test_the_neuron_preflight_refuses_a_host_without_neuroncores(tmp_path):
 
 # -- the first run on an inf2 host -------------------------------------------------------------------------------
 
-def _neuron_check(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", "neuron-check"], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=Path(__file__).resolve().parent.parent, timeout=600)
-
-
-def test_neuron_check_runs_every_layout_and_gives_a_verdict_per_check(fake_neuron):
-    out = _neuron_check({})
+def test_neuron_check_runs_every_layout_and_gives_a_verdict_per_check(neuron_checked):
+    out, _ = neuron_checked
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     rows = {line.split("  ")[0]: line for line in out.stdout.splitlines()[1:] if line.strip()}
     assert "Neuron SDK 2.28.1" in rows["Neuron packages"]
@@ -487,11 +483,11 @@ def test_neuron_check_runs_every_layout_and_gives_a_verdict_per_check(fake_neuro
 
 
 def test_neuron_check_without_the_packages_says_what_to_install_and_skips_the_rest():
-    out = _neuron_check({})
+    out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=600)
     assert out.returncode == 1
     assert re.search(r"Neuron packages\s+FAIL .*pip install -e '\.\[neuron\]'", out.stdout)
-    assert out.stdout.count("skipped") == 6 and "1 of 7 checks passed" not in out.stdout
-    assert "0 of 7 checks passed" in out.stdout
+    assert out.stdout.count("skipped") == 6 and "0 of 7 checks passed" in out.stdout
 
 
 def test_a_process_that_loads_a_build_by_itself_leases_its_cores_for_its_lifetime(fake_neuron):
