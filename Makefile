@@ -11,7 +11,17 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test test-full lint dvc-demo clean-artifacts
+# Two more environments hold the declared version ranges to what was tested (tests/test_versions.py says why):
+#   make test-production   torch 2.8.0 and transformers 5.13.0, the [neuron] extra's (constraints-production.txt)
+#   make test-lowest       every dependency at the lowest version its range allows (constraints-lowest.txt)
+# Both pin every package; regenerate the pins with `make constraints` after changing a range in pyproject.toml.
+VENV_PRODUCTION ?= .venv-production
+VENV_LOWEST ?= .venv-lowest
+# The recipe, the cpu backend, the reference, validation and one variant end to end.
+VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
+                 tests/test_validation.py tests/test_pipeline.py
+
+.PHONY: demo test test-full test-production test-lowest constraints lint dvc-demo clean-artifacts
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +35,35 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+$(VENV_PRODUCTION)/.installed: pyproject.toml constraints-production.txt
+	$(PYTHON) -m venv $(VENV_PRODUCTION)
+	$(VENV_PRODUCTION)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_PRODUCTION)/bin/python -m pip install --quiet -e '.[dev]' -c constraints-production.txt
+	touch $@
+
+$(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
+	$(PYTHON) -m venv $(VENV_LOWEST)
+	$(VENV_LOWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_LOWEST)/bin/python -m pip install --quiet -e '.[dev]' -c constraints-lowest.txt
+	touch $@
+
+test-production: $(VENV_PRODUCTION)/.installed
+	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
+
+test-lowest: $(VENV_LOWEST)/.installed
+	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
+
+# Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
+constraints: $(VENV)/.installed
+	$(PY) -m pip install --quiet uv
+	printf 'torch==2.8.0\ntransformers==5.13.0\n' > .production-input.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --constraint .production-input.txt \
+		--no-emit-package gemma4-neuron-pipeline -o constraints-production.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --resolution lowest-direct --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --no-emit-package gemma4-neuron-pipeline -o constraints-lowest.txt
+	rm -f .production-input.txt
 
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q -m ""

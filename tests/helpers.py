@@ -11,6 +11,17 @@ from pipeline.config import PipelineConfig, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
+
+def _cpu_compiler() -> str:
+    import torch
+
+    return "cpu-torch" + torch.__version__.split("+")[0]
+
+
+CPU_COMPILER = _cpu_compiler()
+"""The compiler part of a cpu-backend version here, e.g. ``cpu-torch2.13.0`` (``cpu-torch2.8.0`` at the production
+versions)."""
+
 # Validation settings that keep a test run to a few seconds: two prompts (one spans several 128-token buckets), and
 # one short throughput context.
 FAST_VALIDATE = [

@@ -15,11 +15,11 @@ from pipeline.errors import PublishError
 from pipeline.fsutil import atomic_write_json, read_json, sha256_file
 from pipeline.paths import Paths
 
-from .helpers import FAST_VALIDATE, config, run
+from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
 from .hubserver import Hub
 
 REPO_ID = "tester/gemma4-tiny-inferentia2"
-VERSION = "512_fp32-cpu-torch2.13.0"
+VERSION = f"512_fp32-{CPU_COMPILER}"
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, pr
     run(hub_cfg(project, "256_bf16_host"), "publish")
     repo = hub.repos[REPO_ID]
     assert len(repo.commits) == before + 1  # retried after the conflicts, committed once
-    assert sorted(repo.tags) == ["256_bf16_host-cpu-torch2.13.0", VERSION]
+    assert sorted(repo.tags) == [f"256_bf16_host-{CPU_COMPILER}", VERSION]
     card = files_at(hub, "main")["README.md"].decode()
-    assert "`256_bf16_host-cpu-torch2.13.0`" in card and f"`{VERSION}`" in card
+    assert f"`256_bf16_host-{CPU_COMPILER}`" in card and f"`{VERSION}`" in card
     assert "512_fp32/manifest.json" in files_at(hub, "main")
 
 
@@ -202,7 +202,7 @@ def test_a_network_error_that_persists_past_the_retries_is_named(project, monkey
 def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tmp_path):
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
            "PATH": "/usr/bin:/bin"}
-    version = "256_bf16_host-cpu-torch2.13.0"
+    version = f"256_bf16_host-{CPU_COMPILER}"
     proc = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(tmp_path / "w"),
                            "--allow-unsigned"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -22,9 +22,9 @@ from pipeline.errors import ConfigError, IntegrityError, PipelineError
 from pipeline.fsutil import sha256_bytes, sha256_file
 from pipeline.paths import Paths
 
-from .helpers import FAST_VALIDATE, config, run
+from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
 
-ROOT = "gemma4_tiny-512_fp32-cpu-torch2.13.0"
+ROOT = f"gemma4_tiny-512_fp32-{CPU_COMPILER}"
 
 
 def rank_dir(tmp_path: Path, sizes=(300_000, 300_001)) -> Path:
@@ -38,11 +38,11 @@ def rank_dir(tmp_path: Path, sizes=(300_000, 300_001)) -> Path:
 def manifest_for(packed: dict, tp_degree: int = 2) -> dict:
     """A schema-valid manifest around ``packed`` (what the package stage writes)."""
     return manifest_mod.check({
-        "schema_version": manifest_mod.SCHEMA_VERSION, "version": "512_fp32-cpu-torch2.13.0", "fingerprint": "0" * 64,
+        "schema_version": manifest_mod.SCHEMA_VERSION, "version": f"512_fp32-{CPU_COMPILER}", "fingerprint": "0" * 64,
         "model": {"name": "gemma4_tiny", "hub_id": None, "revision": None, "config_digest": "c", "weights_digest": "w"},
         "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
                     "tp_degree": tp_degree},
-        "backend": "cpu", "compiler": {"id": "cpu-torch2.13.0", "args": [], "versions": {}}, "toolchain": {},
+        "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {}}, "toolchain": {},
         "layout": "per_rank", "members": packed["members"], "archive": packed["archive"],
     })
 
@@ -339,7 +339,7 @@ def pull_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path, keys):
-    version = "512_fp32-cpu-torch2.13.0"
+    version = f"512_fp32-{CPU_COMPILER}"
     proc = pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key", keys[1])
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())
@@ -354,14 +354,14 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
 
 
 def test_pull_refuses_wrong_keys_unknown_versions_and_foreign_directories(signed_project, tmp_path, keys):
-    repo, version = str(signed_project / "published"), "512_fp32-cpu-torch2.13.0"
+    repo, version = str(signed_project / "published"), f"512_fp32-{CPU_COMPILER}"
     wrong = pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[2])
     assert wrong.returncode == 1 and "Key mismatch" in wrong.stderr
     unsigned = pull_cli(repo, version, "--dest", str(tmp_path))
     assert unsigned.returncode == 1 and "is signed but no public key was given" in unsigned.stderr
     unknown = pull_cli(repo, "512_fp32-ncc9", "--dest", str(tmp_path), "--public-key", keys[1])
     assert unknown.returncode == 1 and "has no version '512_fp32-ncc9'" in unknown.stderr
-    assert "512_fp32-cpu-torch2.13.0" in unknown.stderr
+    assert f"512_fp32-{CPU_COMPILER}" in unknown.stderr
     occupied = tmp_path / f"gemma4_tiny-{version}"
     occupied.mkdir()
     (occupied / "tp_0.pt").write_bytes(b"something else")
@@ -374,14 +374,14 @@ def test_pull_through_python_rejects_a_tag_to_the_wrong_manifest(signed_project,
     from pipeline.pull import LocalSource, pull
 
     source = LocalSource(signed_project / "published")
-    commit = source.resolve("512_fp32-cpu-torch2.13.0")
+    commit = source.resolve(f"512_fp32-{CPU_COMPILER}")
     source.repo.tag("512_fp32-cpu-torch9.9.9", commit)  # a tag that does not name what it points at
     with pytest.raises(PipelineError, match="describes '512_fp32-cpu-torch2.13.0', not '512_fp32-cpu-torch9.9.9'"):
         pull(source, "512_fp32-cpu-torch9.9.9", tmp_path, keys[1], False)
 
 
 def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_project, tmp_path, keys):
-    version = "512_fp32-cpu-torch2.13.0"
+    version = f"512_fp32-{CPU_COMPILER}"
     pulled = Path(pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key",
                            keys[1]).stdout.strip())
     weights = signed_project / "gemma4_tiny" / "weights"

@@ -2,9 +2,10 @@
 
 ``ModelSpec`` is the one description every other part of the recipe works from: layer types, head dimensions,
 which layers produce a KV cache and which reuse another layer's, RoPE parameters, the embedding tables kept on the
-host. It is parsed through ``transformers``' own ``Gemma4TextConfig`` so that defaults and both spellings of the
-full-attention head size (``global_head_dim`` and ``per_layer_config``) are read exactly as the reference reads them.
-Features the recipe does not implement are refused here, with the key that asks for them.
+host. Scalar settings and their defaults come from ``transformers``' own ``Gemma4TextConfig``; the per-layer head
+sizes and the KV sharing are derived from the fields every supported transformers release has, exactly as the
+installed one builds its model (the reference), and a config.json it would read differently is refused. Features the
+recipe does not implement are refused here, with the key that asks for them.
 """
 
 from __future__ import annotations
@@ -193,8 +194,6 @@ def load_spec(checkpoint_dir: str | Path) -> ModelSpec:
 
 
 def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
-    from transformers import Gemma4TextConfig
-
     raw = text_config_dict(config)
     for key, (supported, what) in _UNSUPPORTED.items():
         if raw.get(key, supported) != supported:
@@ -202,29 +201,29 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
                 f"config.json sets {key}={raw[key]!r}: the recipe does not implement {what}. "
                 "Build a Gemma-4 E2B/E4B-style checkpoint, or extend pipeline/recipe/model.py."
             )
-    try:
-        hf = Gemma4TextConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
-        modes = hf.kv_sharing_modes
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"config.json does not describe a valid Gemma-4 text decoder: {exc}") from exc
-    first_shared = hf.num_hidden_layers - hf.num_kv_shared_layers
+    hf = hf_text_config(raw)
+    layer_types = list(hf.layer_types)
+    # The base sizes as given, else the class's defaults (5.15+ refuse to read per-layer attributes off the config).
+    base = {key: int(raw.get(key, getattr(type(hf), key))) for key in ("head_dim", "num_key_value_heads")}
+    shapes = layer_shapes(raw, layer_types, base["head_dim"], base["num_key_value_heads"])
+    shared = kv_shared_layers(hf.num_hidden_layers, hf.num_kv_shared_layers, layer_types)
     layers = []
-    for i, layer_type in enumerate(hf.layer_types):
+    for i, layer_type in enumerate(layer_types):
         if layer_type not in (SLIDING, FULL):
             raise UnsupportedModelError(f"config.json layer_types[{i}] is {layer_type!r}; expected {SLIDING} or {FULL}")
-        per_layer = hf.per_layer_config[i]
-        if modes[i] == "reuse":
-            # HF hands a KV-shared layer the states of the last non-shared layer of the same type.
-            source = max(j for j in range(first_shared) if hf.layer_types[j] == layer_type)
+        if shared[i]:
+            # A KV-shared layer attends over the cache of the last non-shared layer of its type (transformers'
+            # store_full_length_kv layer).
+            source = max(j for j in range(len(layer_types)) if not shared[j] and layer_types[j] == layer_type)
         else:
             source = i
-        double = hf.use_double_wide_mlp and modes[i] == "reuse"
+        head_dim, kv_heads = shapes[i]
         layers.append(LayerSpec(
             index=i,
             layer_type=layer_type,
-            head_dim=int(per_layer.head_dim),
-            num_kv_heads=int(per_layer.num_key_value_heads),
-            intermediate_size=hf.intermediate_size * (2 if double else 1),
+            head_dim=head_dim,
+            num_kv_heads=kv_heads,
+            intermediate_size=hf.intermediate_size * (2 if hf.use_double_wide_mlp and shared[i] else 1),
             kv_source=source,
         ))
     for layer in layers:
@@ -234,7 +233,7 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
                 f"layer {layer.index} reuses layer {src.index}'s KV but their head shapes differ")
 
     ropes = {}
-    for layer_type in sorted(set(hf.layer_types)):
+    for layer_type in sorted(set(layer_types)):
         params = hf.rope_parameters[layer_type]
         rope_type = params.get("rope_type", "default")
         head_dim = next(layer.head_dim for layer in layers if layer.layer_type == layer_type)
@@ -282,3 +281,88 @@ def rope_inv_freq(rope: RopeSpec):
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and math.log2(n).is_integer()
+
+
+# -- reading the config the same way under every transformers release the pipeline supports ----------------------
+#
+# transformers 5.13 and 5.14 read a full-attention layer's head size from ``global_head_dim`` (default 512); 5.15 and
+# later read ``per_layer_config`` (written into config.json by them; derived from ``global_head_dim`` when absent).
+# 5.23 added ``Gemma4TextConfig.kv_sharing_modes``; every release makes the last ``num_kv_shared_layers`` layers
+# reuse the cache of the last earlier layer of their type. (Read from each release's configuration_gemma4.py and
+# modeling_gemma4.py.) The recipe derives all of it from the fields every release has, and refuses a config.json
+# the installed transformers would read differently from what it says.
+PER_LAYER_CONFIG_SINCE = "5.15.0"
+DEFAULT_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default in every release
+
+
+def hf_text_config(raw: dict[str, Any]):
+    """transformers' own ``Gemma4TextConfig`` of ``raw`` (its defaults, its checks), or a refusal naming the
+    installed version when this transformers cannot read it."""
+    try:
+        from transformers import Gemma4TextConfig
+    except ImportError as exc:
+        raise CheckpointError(f"transformers {installed_transformers()} has no Gemma-4 support ({exc}): install "
+                              f"the supported range, pip install 'transformers{supported_transformers()}'") from None
+    try:
+        return Gemma4TextConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"config.json does not describe a Gemma-4 text decoder that transformers "
+                              f"{installed_transformers()} can read: {exc}") from exc
+
+
+def installed_transformers() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("transformers")
+
+
+def supported_transformers() -> str:
+    from pipeline.versions import supported
+
+    return str(supported("transformers"))
+
+
+def reads_per_layer_config() -> bool:
+    from packaging.version import Version
+
+    return Version(installed_transformers()) >= Version(PER_LAYER_CONFIG_SINCE)
+
+
+def layer_shapes(raw: dict[str, Any], layer_types: list[str], head_dim: int, kv_heads: int) -> list[tuple[int, int]]:
+    """``(head_dim, num_key_value_heads)`` of every layer, as the installed transformers builds them (``head_dim``
+    and ``kv_heads``: the config's base values, with transformers' defaults)."""
+    global_head_dim = raw.get("global_head_dim", DEFAULT_GLOBAL_HEAD_DIM)
+    by_global = [(int(global_head_dim) if t == FULL and global_head_dim else head_dim, kv_heads) for t in layer_types]
+    per_layer = raw.get("per_layer_config")
+    if not per_layer:
+        return by_global
+    said = []  # what config.json says: per_layer_config overrides the base head_dim / num_key_value_heads
+    for i in range(len(layer_types)):
+        override = per_layer.get(str(i)) or per_layer.get(i) or {}
+        said.append((int(override.get("head_dim") or head_dim), int(override.get("num_key_value_heads") or kv_heads)))
+    if reads_per_layer_config():
+        return said
+    if said != by_global:
+        differ = [i for i, (a, b) in enumerate(zip(said, by_global)) if a != b]
+        raise CheckpointError(
+            f"config.json sets per_layer_config (head sizes of layers {differ[:6]}), which transformers "
+            f"{installed_transformers()} does not read (it takes global_head_dim, default {DEFAULT_GLOBAL_HEAD_DIM}, "
+            f"and reads per_layer_config from {PER_LAYER_CONFIG_SINCE} on): its float reference would not be this "
+            f"model. Install a newer transformers: pip install 'transformers>={PER_LAYER_CONFIG_SINCE},<6'")
+    return by_global
+
+
+def kv_shared_layers(num_layers: int, num_kv_shared: int, layer_types: list[str]) -> list[bool]:
+    """Which layers reuse an earlier layer's KV cache: the last ``num_kv_shared_layers`` (every release)."""
+    if not 0 <= num_kv_shared < num_layers:
+        raise UnsupportedModelError(
+            f"config.json sets num_kv_shared_layers={num_kv_shared} of {num_layers} layers: the recipe needs at least "
+            "one layer that computes its own KV cache (a checkpoint sharing every layer's cache is a draft model "
+            "for another one's caches)")
+    first = num_layers - num_kv_shared
+    shared = [i >= first for i in range(num_layers)]
+    missing = sorted({t for i, t in enumerate(layer_types) if shared[i]} - set(layer_types[:first]))
+    if missing:
+        raise UnsupportedModelError(f"config.json: KV-shared layers of type {missing} have no earlier layer of their "
+                                    "type to take a cache from")
+    return shared

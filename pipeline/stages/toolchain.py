@@ -133,6 +133,9 @@ def collect(backend: str) -> dict:
 
 
 def run(cfg: PipelineConfig) -> StageResult:
+    from pipeline import versions
+
+    versions.check()  # a torch or transformers outside the supported range: refused before anything is written
     started = time.monotonic()
     record = collect(resolve(cfg.backend.name))
     path = Paths.of(cfg).toolchain
