@@ -7,20 +7,25 @@ Neuron packages and the API the variant needs are installed). The compile then r
 into place only when it holds exactly the expected files:
 
 - ``prefill=host``: ``parallel_model_trace`` + ``parallel_model_save`` -> ``tp_0.pt``, ``tp_1.pt`` (layout
-  ``per_rank``). The ranks compile concurrently, ``backend.max_parallel`` at a time. Neuron 2.27 dropped support for
-  this API; where it is gone the trace is refused before any work.
+  ``per_rank``). The ranks compile concurrently, ``backend.max_parallel`` at a time. Neuron no longer supports this
+  API from SDK 2.27 on: pipeline/backends/neuron_sdk.py decides, by the installed release, where it is built.
 - ``prefill=device``: ``ModelBuilder`` with ``prefill`` and ``decode`` keys over one weight set -> one TorchScript
   file holding both graphs, every rank's weights and the KV state: ``model.pt`` (layout ``nxd_model``). It is
   packaged like the rank files (the archive holds one directory with ``model.pt``; the manifest says
   ``layout: nxd_model``), and loaded with ``torch.jit.load`` then ``nxd_model.initialize_with_saved_weights``.
+
+Before any compile the installed Neuron packages must be exactly one SDK release (pipeline/backends/neuron_sdk.py),
+and the compile holds a lease on ``tp_degree`` NeuronCores (and, for host prefill, on parallel_model_trace's fixed
+rendezvous port) for its whole run, the compile process seeing only its cores (pipeline/backends/neuron_cores.py).
 
 The compiler's scratch directory is ``<compiler_workdir or variant dir>/compile-<model>-<variant>``: ModelBuilder
 deletes its workdir before it starts, so it is never a directory a user named, only one this backend owns. It is
 removed after a successful compile and kept after a failure (its ``log-neuron-cc.txt`` files say why). A compile process
 killed with SIGKILL (the kernel's out-of-memory killer) is reported as such with the preflight's memory figures.
 
-Load. Only a ``VerifiedBuild``: ``parallel_model_load`` for ``per_rank`` (host prefill: each rank's KV state, the
-parameters named ``states.N``, is seeded with its heads of the host's caches), ``torch.jit.load`` +
+Load. Only a ``VerifiedBuild``, in a process holding its NeuronCores: ``parallel_model_load`` for ``per_rank`` (host
+prefill: before each prompt, each rank's KV state, the parameters named ``states.N`` read afresh from the loaded
+model, is seeded with its heads of the host's caches), ``torch_neuronx`` imported then ``torch.jit.load`` +
 ``initialize_with_saved_weights`` for ``nxd_model``. The greedy token is the argmax of the returned logits.
 """
 
@@ -315,22 +320,18 @@ class NeuronRunner(RankRunner):
                                  f"{shape.tp_degree} neuron build needs {expected}")
         started = time.monotonic()
         lease_for_this_process(shape.tp_degree)
-        try:
-            build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
-            if layout(shape) == NXD_MODEL:
-                # model.pt holds torch.classes.neuron objects made by ModelBuilder; they exist only once torch_neuronx
-                # is imported (NxD's own test imports neuronx_distributed.trace.model_builder, which imports it, before
-                # torch.jit.load; the seed's optb_server_mb.py imports torch_neuronx "to register the ops").
-                importlib.import_module("torch_neuronx")
-                self.model = torch.jit.load(str(build.directory / expected[0]))
-                self.model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
-            else:
-                from neuronx_distributed.trace import parallel_model_load
+        build.recheck()  # loading TorchScript runs code: only the verified, unchanged files
+        if layout(shape) == NXD_MODEL:
+            # model.pt holds torch.classes.neuron objects made by ModelBuilder; they exist only once torch_neuronx is
+            # imported (NxD's own test imports neuronx_distributed.trace.model_builder, which imports it, before
+            # torch.jit.load; the seed's optb_server_mb.py imports torch_neuronx "to register the ops").
+            importlib.import_module("torch_neuronx")
+            self.model = torch.jit.load(str(build.directory / expected[0]))
+            self.model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+        else:
+            from neuronx_distributed.trace import parallel_model_load
 
-                self.model = parallel_model_load(str(build.directory))
-        except BaseException:
-            self.close()
-            raise
+            self.model = parallel_model_load(str(build.directory))
         self.load_s = time.monotonic() - started
 
     def _call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
