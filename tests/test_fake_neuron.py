@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -43,10 +44,12 @@ def built(neuron_checked, sdk) -> dict[str, Path]:
 
 
 def python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter on the stand-in (its environment as the fixture set it)."""
+    """``code`` in a fresh interpreter on the stand-in (its environment as the fixture set it), run in a scratch
+    directory (the stand-in's parallel_model_trace writes its compiler log into the current directory)."""
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]), **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full, timeout=timeout, cwd=REPO)
+    with tempfile.TemporaryDirectory() as scratch:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              env=full, timeout=timeout, cwd=scratch)
 
 
 INPUTS = """
