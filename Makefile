@@ -17,9 +17,10 @@ TORCH_INDEX ?=
 # Both pin every package; regenerate the pins with `make constraints` after changing a range in pyproject.toml.
 VENV_PRODUCTION ?= .venv-production
 VENV_LOWEST ?= .venv-lowest
-# The recipe, the cpu backend, the reference, validation and one variant end to end.
+# The recipe, the cpu backend, the reference, validation and one variant end to end; and the neuron backend on the
+# stand-in SDK and its contract checks (an inf2 host runs torch 2.8).
 VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
-                 tests/test_validation.py tests/test_pipeline.py
+                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
 
 .PHONY: demo test test-full test-production test-lowest constraints lint dvc-demo clean-artifacts
 
@@ -57,7 +58,8 @@ test-lowest: $(VENV_LOWEST)/.installed
 # Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
 constraints: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
-	printf 'torch==2.8.0\ntransformers==5.13.0\n' > .production-input.txt
+	$(PY) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
+		print('\n'.join(r for r in x['neuron'] if r.startswith(('torch==', 'transformers=='))))" > .production-input.txt
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --constraint .production-input.txt \
 		--no-emit-package gemma4-neuron-pipeline -o constraints-production.txt

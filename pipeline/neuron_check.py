@@ -32,8 +32,6 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 
-log = logging.getLogger("pipeline")
-
 LAYOUTS = (  # (what, the variant built)
     ("device prefill (ModelBuilder, model.pt)", "512_fp32"),
     ("host prefill (parallel_model_trace, tp_N.pt)", "256_bf16_host"),

@@ -37,10 +37,10 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from pipeline.backends.neuron_sdk import NEURON_INDEX
 from pipeline.errors import PipelineError
 
 PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed")
-NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 UP_TO_DATE, ERROR, UPGRADE_AVAILABLE = 0, 1, 3
 PIP_TIMEOUT_S = 900
 

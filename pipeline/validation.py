@@ -30,7 +30,7 @@ from pipeline.generation import Generation, Generator
 from pipeline.log import log, progress
 from pipeline.manifest import check as check_manifest
 from pipeline.parity import judge_logits, logit_errors
-from pipeline.procinfo import peak_rss_bytes
+from pipeline.procinfo import die_with_parent, peak_rss_bytes
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
@@ -280,6 +280,9 @@ def main(argv: list[str]) -> int:
     from pipeline.log import quiet_third_party
 
     quiet_third_party()
+    # The stage that started this process holds its NeuronCores' lease: never outlive it (a killed stage's lease is
+    # released by the kernel, and another run may then be given the cores this process still uses).
+    die_with_parent()
     job_path, result_path = Path(argv[0]), Path(argv[1])
     job = json.loads(job_path.read_text())
     torch.set_num_threads(1)

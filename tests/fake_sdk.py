@@ -21,10 +21,14 @@ FAKE = Path(__file__).resolve().parent / "fake_neuron"
 MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")
 
 
+BUILD_HASH = "+f702b353"  # Neuron's compiler and torch-neuronx wheels carry a build hash as a local version
+
+
 def versions(release: str) -> dict[str, str]:
+    """The versions an install of ``release`` reports (what ``importlib.metadata`` and pip see)."""
     row = neuron_sdk.release(release)
-    return {"torch-neuronx": row.torch_neuronx_for(neuron_sdk.PINNED_TORCH) or row.torch_neuronx[0],
-            "neuronx-cc": row.neuronx_cc, "neuronx-distributed": row.neuronx_distributed,
+    return {"torch-neuronx": (row.torch_neuronx_for(neuron_sdk.PINNED_TORCH) or row.torch_neuronx[0]) + BUILD_HASH,
+            "neuronx-cc": row.neuronx_cc + BUILD_HASH, "neuronx-distributed": row.neuronx_distributed,
             "libneuronxla": row.libneuronxla}
 
 
@@ -52,7 +56,7 @@ def install(dest: Path, release: str = neuron_sdk.PINNED, cores: int = 2) -> Pat
     _script(dest / "bin" / "neuronx-cc", f"""#!/bin/sh
 # Test stand-in: neuronx-cc's --version output format.
 if [ "$1" = "--version" ]; then
-  printf 'NeuronX Compiler version {ncc}+fa4e0000\\n\\nPython version 3.11.0\\nHWM version 2.0.0\\n'
+  printf 'NeuronX Compiler version {ncc}\\n\\nPython version 3.11.0\\nHWM version 2.0.0\\n'
   exit 0
 fi
 echo "stand-in neuronx-cc: only --version" >&2

@@ -286,7 +286,7 @@ def test_an_installed_mix_of_sdk_releases_is_refused_before_any_compile(fake_neu
     info = next(fake_neuron.glob("neuronx_cc-*.dist-info"))
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-cc\nVersion: 2.24.5133.0\n")
     cfg = _prepared(tmp_path, "512_bf16")
-    with pytest.raises(BuildError, match=r"(?s)not one Neuron SDK release: torch-neuronx 2.8.0.2.12.22436, "
+    with pytest.raises(BuildError, match=r"(?s)not one Neuron SDK release: torch-neuronx 2.8.0.2.12.22436\+f702b353, "
                                          r"neuronx-cc 2.24.5133.0.*belongs to release 2.29.0.*pip install -e"):
         run(cfg, "trace")
     assert _nothing_built(tmp_path, "512_bf16")
@@ -396,7 +396,7 @@ def test_a_failed_host_prefill_compile_keeps_its_log_where_the_error_says(fake_n
     cfg = _prepared(tmp_path, "256_bf16_host")
     with pytest.raises(BuildError) as failed:
         run(cfg, "trace")
-    kept = re.search(r"logs \(log-neuron-cc.txt\) are kept in (\S+)", str(failed.value))
+    kept = re.search(r"logs \(log-neuron-cc.txt\) are kept under (\S+)", str(failed.value))
     assert kept, str(failed.value)
     log = Path(kept.group(1)) / "log-neuron-cc.txt"
     assert "NCC_IBIR158 unsupported operator" in log.read_text()
@@ -500,8 +500,38 @@ def test_a_process_that_loads_a_build_by_itself_leases_its_cores_for_its_lifetim
         assert first.stdout.readline().strip() == "0-1"
         second = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True)
         assert second.returncode != 0 and "taken by: core 0: loading a build in process" in second.stderr
+        assert "set NEURON_RT_VISIBLE_CORES=A-B for this process" in second.stderr
         given = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True,
-                               env={**os.environ, "NEURON_RT_VISIBLE_CORES": "1"})
-        assert given.returncode == 0 and given.stdout.strip() == "1"  # the caller's choice is kept
+                               env={**os.environ, "NEURON_RT_VISIBLE_CORES": "0-1"})
+        assert given.returncode == 0 and given.stdout.strip() == "0-1"  # the caller's choice is kept
+        one = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True,
+                             env={**os.environ, "NEURON_RT_VISIBLE_CORES": "1"})
+        assert one.returncode != 0 and "NEURON_RT_VISIBLE_CORES='1' names 1 NeuronCore(s)" in one.stderr
     finally:
         first.communicate("")
+
+
+def test_paths_the_compile_process_gets_are_absolute(tmp_path, monkeypatch):
+    """The compile runs in its work directory: a relative cache path or PYTHONPATH entry would point elsewhere."""
+    from pipeline.backends.neuron import compile_env
+    from pipeline.backends.neuron_cores import Lease
+    from pipeline.stages.trace import compile_cache
+
+    cfg = neuron_config(tmp_path / "artifacts", "512_bf16", "backend.compile_cache_dir=neuron-cache")
+    assert compile_cache(cfg) == str((tmp_path / "artifacts" / "neuron-cache").resolve())
+    cfg = neuron_config(tmp_path / "artifacts", "512_bf16", "backend.compile_cache_dir=s3://bucket/cache")
+    assert compile_cache(cfg) == "s3://bucket/cache"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "extra")
+    env = compile_env(Lease([0, 1]))
+    assert env["PYTHONPATH"].split(os.pathsep)[1] == str(tmp_path / "extra")
+    assert env["NEURON_RT_VISIBLE_CORES"] == "0-1"
+
+
+def test_host_prefill_on_an_unknown_release_needs_asking_for(fake_neuron):
+    info = next(fake_neuron.glob("neuronx_cc-*.dist-info"))
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-cc\nVersion: 2.99.1.0\n")
+    assert "add its row" in missing_api("device")
+    assert missing_api("device", check_release=False) is None
+    assert "whether parallel_model_trace works there is unknown" in missing_api("host", check_release=False)
+    assert missing_api("host", check_release=False, allow_unsupported_host_prefill=True) is None

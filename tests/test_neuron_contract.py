@@ -285,6 +285,9 @@ def test_an_sdk_mix_is_named_with_the_release_each_package_belongs_to():
     pinned = {name: fake for name, fake in zip(neuron_sdk.PACKAGES, (
         "2.8.0.2.12.22436", "2.23.6484.0", "0.17.26814", "2.2.15515.0"))}
     assert neuron_sdk.mix_problem(pinned) is None
+    # real wheels report a build hash as a local version: the same release
+    hashed = pinned | {"torch-neuronx": "2.8.0.2.12.22436+b8c0a3d1", "neuronx-cc": "2.23.6484.0+f702b353"}
+    assert neuron_sdk.identify(hashed).release == "2.28.1"
     mixed = pinned | {"neuronx-cc": "2.24.5133.0"}
     problem = neuron_sdk.mix_problem(mixed)
     assert "not one Neuron SDK release" in problem and "neuronx-cc 2.24.5133.0 belongs to release 2.29.0" in problem

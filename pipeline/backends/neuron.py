@@ -49,13 +49,14 @@ import torch
 
 from pipeline.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
-from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
+from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, spec_problems, trace_port
+from pipeline.backends.neuron_sdk import NEURON_INDEX
 from pipeline.errors import BuildError, ConfigError, IntegrityError
 from pipeline.fsutil import read_json, sha256_file, staged_dir
 from pipeline.log import log
 
 NEURON_EXTRA_HINT = ("install the Neuron packages on an inf2 host: pip install -e '.[neuron]' "
-                     "--extra-index-url https://pip.repos.neuron.amazonaws.com (README: 'On an inf2 host')")
+                     f"--extra-index-url {NEURON_INDEX} (README: 'On an inf2 host')")
 PER_RANK, NXD_MODEL = "per_rank", "nxd_model"
 HOST_OOM_RE = re.compile(r"(returned|exit(?:ed)?(?: with)?(?: code| status)?)\s*:?\s*-9\b|signal\s*(?:9|SIGKILL)\b"
                          r"|\bSIGKILL\b|\bKilled\b", re.IGNORECASE)
@@ -114,6 +115,10 @@ def missing_api(prefill: str, check_release: bool = True, allow_unsupported_host
     row = neuron_sdk.identify(installed)
     if row is None and check_release:
         return neuron_sdk.mix_problem(installed)
+    if prefill == "host" and row is None and not allow_unsupported_host_prefill:
+        return ("prefill=host on Neuron packages that are not one known SDK release (backend.check_sdk_release=false): "
+                "whether parallel_model_trace works there is unknown; set backend.allow_unsupported_host_prefill=true "
+                "to try it, or build the device-prefill variants")
     if prefill == "host" and row is not None:
         problem = neuron_sdk.host_prefill_problem(row, allow_unsupported_host_prefill)
         if problem:
@@ -141,9 +146,10 @@ def host_neuron_cores() -> int:
     return total
 
 
-def core_lease(tp_degree: int, spec: str | None, what: str, host_cores: int | None = None) -> Lease:
+def core_lease(tp_degree: int, spec: str | None, what: str, host_cores: int | None = None,
+               fix: str = "give this run other cores with backend.visible_cores=A-B") -> Lease:
     """This process's NeuronCores for ``what`` (pipeline/backends/neuron_cores.py)."""
-    return acquire(tp_degree, host_neuron_cores() if host_cores is None else host_cores, spec, what)
+    return acquire(tp_degree, host_neuron_cores() if host_cores is None else host_cores, spec, what, fix)
 
 
 _process_lease: Lease | None = None
@@ -154,16 +160,22 @@ def lease_for_this_process(tp_degree: int) -> None:
     its stage leased them for, or a user's NEURON_RT_VISIBLE_CORES) keeps them; otherwise it leases some and sets
     NEURON_RT_VISIBLE_CORES, holding the lease until it exits (the runtime keeps the cores until then too)."""
     global _process_lease
-    if os.environ.get(VISIBLE_CORES_ENV):
+    given = os.environ.get(VISIBLE_CORES_ENV)
+    if given:
+        problems = spec_problems(given, tp_degree, None)
+        if problems:
+            raise ConfigError([p.replace("backend.visible_cores", VISIBLE_CORES_ENV) for p in problems])
         return
-    _process_lease = core_lease(tp_degree, None, f"loading a build in process {os.getpid()}")
+    _process_lease = core_lease(tp_degree, None, f"loading a build in process {os.getpid()}",
+                                fix=f"set {VISIBLE_CORES_ENV}=A-B for this process")
     os.environ.update(_process_lease.env())
 
 
 def compile_env(lease: Lease) -> dict[str, str]:
     """The compile process's environment: its NeuronCores, and this package importable from any directory."""
     package_root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    inherited = [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = os.pathsep.join([package_root, *inherited])
     return {**os.environ, **lease.env(), "PYTHONPATH": path}
 
 
@@ -226,7 +238,7 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
         if kind == "device_oom":
             raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
                              "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
-        kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept in {cwd}" if cwd else ""
+        kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept under {cwd}" if cwd else ""
         raise BuildError(f"{what} failed: {error}\n{result.get('traceback', '')}{kept}")
     return result, peak
 

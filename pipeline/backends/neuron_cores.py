@@ -97,10 +97,21 @@ def _describe_owner(lock: Path) -> str:
         return "another process"
 
 
+def _open(path: Path) -> int:
+    try:
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.chmod(0o1777)  # host-wide: every user's runs lease from it, as /tmp is shared
+        return os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # an flock needs no write access
+    except PermissionError:
+        raise PreflightError(f"cannot use the NeuronCore lease {path}: another user made it; point "
+                             f"{LOCK_DIR_ENV} at a directory every user of this host can write") from None
+
+
 def _try_lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -109,7 +120,7 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-def _claim(path: Path, fd: int, what: str) -> None:
+def _claim(path: Path, what: str) -> None:
     with contextlib.suppress(OSError):
         _owner_file(path).write_text(f"{what} (pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)})\n")
 
@@ -153,12 +164,13 @@ def _take(cores: list[int], what: str) -> Lease | int:
             lease.release()
             return core
         lease.held.append((_core_lock(core), fd))
-    for path, fd in lease.held:
-        _claim(path, fd, what)
+    for path, _fd in lease.held:
+        _claim(path, what)
     return lease
 
 
-def acquire(tp_degree: int, host_cores: int, spec: str | None, what: str) -> Lease:
+def acquire(tp_degree: int, host_cores: int, spec: str | None, what: str,
+            fix: str = "give this run other cores with backend.visible_cores=A-B") -> Lease:
     """Lease ``tp_degree`` cores (``spec`` or the first contiguous free ones) or refuse, naming who holds them."""
     problems = spec_problems(spec, tp_degree, host_cores)
     if problems:
@@ -178,8 +190,7 @@ def acquire(tp_degree: int, host_cores: int, spec: str | None, what: str) -> Lea
     holders = sorted({f"core {c}: {_describe_owner(_core_lock(c))}" for c in taken})
     asked = f"NeuronCores {spec}" if spec else f"{tp_degree} free NeuronCores of {host_cores}"
     raise PreflightError(f"{what} needs {asked}, but they are taken by: {'; '.join(holders)}. Wait for that work to "
-                         "finish, or give this run other cores with backend.visible_cores=A-B (the scheduler shares "
-                         "cores out by itself)")
+                         f"finish, or {fix} (the scheduler shares cores out by itself)")
 
 
 @contextlib.contextmanager
@@ -200,9 +211,13 @@ def trace_port(what: str) -> Iterator[None]:
     if fd is None:
         log.info("%s: waiting for port %d, held by %s (parallel_model_trace always rendezvous on it)", what,
                  TRACE_PORT, _describe_owner(path))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    _claim(path, fd, what)
+        fd = _open(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:  # interrupted while waiting
+            os.close(fd)
+            raise
+    _claim(path, what)
     try:
         yield
     finally:

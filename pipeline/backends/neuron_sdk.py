@@ -23,6 +23,8 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 SUPPORTED, VERIFIED, UNSUPPORTED = "supported", "unsupported by Neuron, verified by the seed recipe", "unsupported"
 PACKAGES = ("torch-neuronx", "neuronx-cc", "neuronx-distributed", "libneuronxla")
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
@@ -42,7 +44,7 @@ class SdkRelease:
                 "neuronx-distributed": (self.neuronx_distributed,), "libneuronxla": (self.libneuronxla,)}
 
     def matches(self, installed: dict[str, str | None]) -> bool:
-        return all(installed.get(name) in allowed for name, allowed in self.versions().items())
+        return all(release_part(installed.get(name)) in allowed for name, allowed in self.versions().items())
 
     def torch_neuronx_for(self, torch_version: str) -> str | None:
         """The torch-neuronx build of this release for ``torch_version`` (``2.8.0`` -> ``2.8.0.2.12.22436``)."""
@@ -93,6 +95,17 @@ def installed_versions() -> dict[str, str | None]:
     return found
 
 
+def release_part(version: str | None) -> str | None:
+    """``2.23.6484.0+f702b353`` -> ``2.23.6484.0``: Neuron's wheels carry a build hash as a local version, which the
+    release manifest does not (and ``2.23.6484.0`` matches either)."""
+    if version is None:
+        return None
+    try:
+        return Version(version).public
+    except InvalidVersion:
+        return version
+
+
 def identify(installed: dict[str, str | None]) -> SdkRelease | None:
     return next((r for r in RELEASES if r.matches(installed)), None)
 
@@ -102,7 +115,7 @@ def mix_problem(installed: dict[str, str | None]) -> str | None:
     if identify(installed) is not None:
         return None
     have = ", ".join(f"{name} {installed.get(name) or '(absent)'}" for name in PACKAGES)
-    same_cc = [r.release for r in RELEASES if r.neuronx_cc == installed.get("neuronx-cc")]
+    same_cc = [r.release for r in RELEASES if r.neuronx_cc == release_part(installed.get("neuronx-cc"))]
     hint = (f" (neuronx-cc {installed.get('neuronx-cc')} belongs to release {same_cc[-1]})" if same_cc else
             " (a release newer than this pipeline knows? add its row to pipeline/backends/neuron_sdk.py from the "
             "Neuron release manifest)")

@@ -54,6 +54,15 @@ def compiler_workdir(cfg: PipelineConfig) -> Path | None:
     return (Paths.of(cfg).root / cfg.backend.compiler_workdir).resolve()
 
 
+def compile_cache(cfg: PipelineConfig) -> str | None:
+    """``backend.compile_cache_dir``: a URL as given; a path relative to ``artifacts_dir`` made absolute (the compile
+    runs in its own work directory)."""
+    value = cfg.backend.compile_cache_dir
+    if value is None or "://" in value:
+        return value
+    return str((Paths.of(cfg).root / value).resolve())
+
+
 def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceRequest:
     paths = Paths.of(cfg)
     return TraceRequest(
@@ -65,7 +74,7 @@ def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceReq
         visible_cores=cfg.backend.visible_cores if backend == "neuron" else None,
         check_sdk_release=cfg.backend.check_sdk_release,
         allow_unsupported_host_prefill=cfg.backend.allow_unsupported_host_prefill,
-        compile_cache_dir=cfg.backend.compile_cache_dir if backend == "neuron" else None,
+        compile_cache_dir=compile_cache(cfg) if backend == "neuron" else None,
         host=host,
         need=need,
     )

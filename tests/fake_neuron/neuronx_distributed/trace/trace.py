@@ -10,8 +10,8 @@ the pipeline depends on:
   collide on the port as the real ones do.
 - Aliased parameters become the rank's ``states.N`` parameters in the alias dict's insertion order; after each call
   the aliased outputs are written back into them (the runtime's input-output aliasing) and not returned.
-- The compiler's log is written to the current directory (on an inf2 host, this path's log was found there rather
-  than in ``compiler_workdir``: issue #13), the rank's graph under ``compiler_workdir/_tp<rank>/``.
+- The compiler's log is written to the current directory (issue #13; the only public copy of torch-neuronx's trace,
+  older than 2.28, runs neuronx-cc without ``--logfile``), the rank's graph under ``compiler_workdir/_tp<rank>/``.
 - ``TensorParallelNeuronModel`` loads itself on its first forward (``_load``: the cores, then
   ``torch_neuronx.move_trace_to_device`` per rank, which replaces the ``states.N`` parameters), runs every rank in a
   thread pool and returns the result of the rank that finished first (``results[0]`` of ``as_completed``).
