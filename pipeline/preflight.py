@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -195,6 +196,30 @@ def measure(paths: list[Path], with_neuron: bool = False) -> Resources:
                for p in paths},
         neuron_cores=cores, neuron_cores_busy=busy,
     )
+
+
+DMI_PRODUCT_NAME = Path("/sys/class/dmi/id/product_name")
+DMI_OVERRIDE_ENV = "GEMMA4_DMI_PRODUCT_NAME_FILE"  # tests point it at a file standing in for an instance's
+
+
+def instance_type() -> str | None:
+    """The EC2 instance type, as the DMI product name states it on Nitro instances (``inf2.8xlarge``), read offline;
+    None elsewhere."""
+    path = Path(os.environ.get(DMI_OVERRIDE_ENV) or DMI_PRODUCT_NAME)
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text if re.fullmatch(r"[a-z][a-z0-9-]*\.[a-z0-9-]+", text) else None
+
+
+def resolve_hardware(name: str) -> str:
+    """``hardware=auto`` becomes the detected instance type in conf/hardware's spelling (``inf2_8xlarge``), else
+    ``local``; any other name stays as given."""
+    if name != "auto":
+        return name
+    detected = instance_type()
+    return detected.replace(".", "_").replace("-", "_") if detected else "local"
 
 
 # -- deciding ---------------------------------------------------------------------------------------------------------

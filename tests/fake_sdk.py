@@ -2,7 +2,8 @@
 
 ``install(dest, release)`` makes ``dest`` a site directory: the stand-in packages (linked), a ``.dist-info`` per
 Neuron package with that release's version (so ``importlib.metadata`` and pip's view of the environment report them,
-as for a real install), and ``bin/`` with ``neuronx-cc --version`` and ``neuron-ls --json-output``. ``env(dest)`` is
+as for a real install), ``bin/`` with ``neuronx-cc --version`` and ``neuron-ls --json-output``, and the DMI product name
+of an inf2.8xlarge. ``env(dest)`` is
 what a process needs to use it. The stand-in's "device" (its NeuronCores) lives under ``dest/device``.
 """
 
@@ -74,6 +75,8 @@ fi
 echo "stand-in neuron-ls: only --json-output" >&2
 exit 2
 """)
+    # An inf2.8xlarge names itself in its DMI product name (hardware=auto reads it; its throughput floors apply).
+    (dest / "dmi_product_name").write_text("inf2.8xlarge\n")
     return dest
 
 
@@ -85,6 +88,7 @@ def env(dest: Path, cores: int = 2) -> dict[str, str]:
         "FAKE_NEURON_DEVICE_DIR": str(dest / "device"),
         "FAKE_NEURON_CORES": str(cores),
         "GEMMA4_NEURON_LOCK_DIR": str(dest / "leases"),
+        "GEMMA4_DMI_PRODUCT_NAME_FILE": str(dest / "dmi_product_name"),
     }
 
 

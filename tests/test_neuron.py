@@ -535,3 +535,37 @@ def test_host_prefill_on_an_unknown_release_needs_asking_for(fake_neuron):
     assert missing_api("device", check_release=False) is None
     assert "whether parallel_model_trace works there is unknown" in missing_api("host", check_release=False)
     assert missing_api("host", check_release=False, allow_unsupported_host_prefill=True) is None
+
+
+# -- the throughput gate on the production path ----------------------------------------------------------------------
+
+def test_hardware_auto_reads_the_instance_type_offline(tmp_path, monkeypatch):
+    from pipeline.preflight import resolve_hardware
+
+    dmi = tmp_path / "product_name"
+    monkeypatch.setenv("GEMMA4_DMI_PRODUCT_NAME_FILE", str(dmi))
+    for text, expected in (("inf2.8xlarge\n", "inf2_8xlarge"), ("inf2.xlarge", "inf2_xlarge"),
+                           ("Standard PC (Q35 + ICH9, 2009)", "local")):
+        dmi.write_text(text)
+        assert resolve_hardware("auto") == expected
+    dmi.unlink()
+    assert resolve_hardware("auto") == "local" and resolve_hardware("inf2_xlarge") == "inf2_xlarge"
+
+
+def test_a_neuron_validation_without_a_floor_for_its_hardware_is_refused_before_loading(fake_neuron, tmp_path):
+    cfg = _prepared(tmp_path, "512_fp32", *FAST_VALIDATE, "hardware=local")
+    for stage in ("reference", "trace", "package"):
+        run(cfg, stage)
+    with pytest.raises(ConfigError, match=r"hardware='local' has no neuron throughput floor .*hardware=auto detects "
+                                          r"its instance type"):
+        run(cfg, "validate")
+    assert not (tmp_path / "gemma4_tiny" / "512_fp32" / "metrics.json").exists()
+
+
+def test_dvc_repro_validates_on_the_detected_hardware():
+    import yaml
+
+    repo = Path(__file__).resolve().parent.parent
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    assert "hardware=${hardware}" in stages["validate"]["do"]["cmd"]
+    assert yaml.safe_load((repo / "params.yaml").read_text())["hardware"] == "auto"

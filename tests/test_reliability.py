@@ -33,6 +33,7 @@ from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.fsutil import sha256_file
 from pipeline.paths import Paths
+from pipeline.preflight import resolve_hardware
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import trace as trace_stage
 from pipeline.stages import validate as validate_stage
@@ -358,7 +359,7 @@ def fingerprints(overrides: list[str]) -> tuple[str, str, str]:
     cfg = load_config(composed([f"+variant={VARIANT}", "backend=cpu", *overrides]), VARIANT)
     return (trace_stage.build_fingerprint(cfg, MODEL_RECORD, TOOLCHAIN, "cpu"),
             reference_stage.expected_fingerprint(cfg, MODEL_RECORD, []),
-            validate_stage.metrics_fingerprint(cfg, MANIFEST, REFERENCE))
+            validate_stage.metrics_fingerprint(cfg, MANIFEST, REFERENCE, resolve_hardware(cfg.hardware.name)))
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from pathlib import Path
 from pipeline import preflight, signing
 from pipeline.backends.base import BuildShape
 from pipeline.config import PipelineConfig
-from pipeline.errors import IntegrityError, ParityError, PipelineError, ThroughputError
+from pipeline.errors import ConfigError, IntegrityError, ParityError, PipelineError, ThroughputError
 from pipeline.fsutil import atomic_write_json
 from pipeline.log import log
 from pipeline.paths import Paths
@@ -40,7 +40,19 @@ from pipeline.stages import reference as reference_stage
 from pipeline.validation import select_prompts
 
 
-def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) -> str:
+def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
+    """A neuron build is validated against a throughput floor for its hardware, or not at all: without one the gate
+    would pass anything, and a release would ship unmeasured."""
+    key, _ = cfg.validate.throughput.floor(backend, hardware)
+    if backend == "neuron" and key is None:
+        known = sorted(cfg.validate.throughput.floors.get("neuron", {}))
+        raise ConfigError(f"hardware={hardware!r} has no neuron throughput floor (validate.throughput.floors.neuron "
+                          f"has {known}): validate neuron builds on an inf2 host (hardware=auto detects its instance "
+                          "type), name it (hardware=inf2_8xlarge), or add validate.throughput.floors.neuron."
+                          f"{hardware} for this hardware")
+
+
+def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict, hardware: str) -> str:
     return fingerprint({
         "manifest": fingerprint(manifest),  # the whole manifest: members, variant, compiler, archive
         "reference": reference["fingerprint"],
@@ -48,7 +60,7 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict) ->
                     "allow_unsigned": cfg.package.signing.allow_unsigned},
         "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity),
                      "throughput": asdict(cfg.validate.throughput), "prompt_names": cfg.validate.prompt_names},
-        "hardware": cfg.hardware.name,
+        "hardware": hardware,
         "code": code_digest("validation.py", "generation.py", "parity.py", "stages/validate.py"),
     })
 
@@ -72,9 +84,9 @@ def run_fresh(job: dict, host: preflight.Resources | None = None, need: prefligh
     return result["metrics"]
 
 
-def throughput_gate(cfg: PipelineConfig, backend: str, prefill: str, summary: dict) -> dict:
+def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str, summary: dict) -> dict:
     """Compare the summary with the floor for this backend and hardware."""
-    key, floor = cfg.validate.throughput.floor(backend, cfg.hardware.name)
+    key, floor = cfg.validate.throughput.floor(backend, hardware)
     rows = []
     if floor is not None:
         ttft_limit = floor.ttft_ms_device if prefill == "device" else floor.ttft_ms_host
@@ -135,8 +147,10 @@ def failure_table(report: list[dict]) -> str:
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     manifest = package_stage.load(cfg)
+    hardware = preflight.resolve_hardware(cfg.hardware.name)
+    require_floor(cfg, manifest["backend"], hardware)
     reference, _ = reference_stage.load(cfg)
-    fp = metrics_fingerprint(cfg, manifest, reference)
+    fp = metrics_fingerprint(cfg, manifest, reference, hardware)
     previous, metrics = read_record(paths.validation_report), read_record(paths.metrics)
     if (not cfg.force and previous and metrics and previous.get("fingerprint") == fp
             and metrics.get("gates", {}).get("passed")):
@@ -178,7 +192,7 @@ def run(cfg: PipelineConfig) -> StageResult:
             held.callback(lease.release)
             env = lease.env()
         measured = run_fresh(job, host, need, env)
-    gate = throughput_gate(cfg, manifest["backend"], shape.prefill, measured["throughput"])
+    gate = throughput_gate(cfg, manifest["backend"], hardware, shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())
     atomic_write_json(paths.metrics, {  # figures only: what dvc metrics show / diff compare
@@ -191,7 +205,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     })
     atomic_write_json(paths.validation_report, {
         "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
-        "backend": manifest["backend"], "hardware": cfg.hardware.name, "coverage": coverage, "signature": accepted,
+        "backend": manifest["backend"], "hardware": hardware, "coverage": coverage, "signature": accepted,
         "preflight": {"need": need.record(), "host": host.record()},
         "throughput_gate": gate, "prompts": measured["report"],
     })
@@ -200,7 +214,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         for name, c in sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])])
     log.info("validate: %s parity (%s):\n%s", cfg.variant.name, measured["parity"]["mode"],
              parity_table(measured["report"]))
-    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest["backend"], cfg.hardware.name,
+    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest["backend"], hardware,
              throughput_table(measured["contexts"], gate))
     if not gates["parity"]:
         par = measured["parity"]
