@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-BASE_MODEL = "google/gemma-4-E4B-it"
-
 
 def _cell(value: Any, fmt: str = "{}") -> str:
     return "–" if value is None else fmt.format(value)
@@ -27,7 +25,9 @@ def _row(m: dict) -> str:
 def render(manifests: list[dict], repo_id: str) -> str:
     """The full README.md for ``manifests`` (one per published version)."""
     manifests = sorted(manifests, key=lambda m: (m["variant"]["name"], m["version"]))
-    base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None) or BASE_MODEL
+    base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None)
+    if base is None:
+        return demo_card(manifests, repo_id)
     rows = "\n".join(_row(m) for m in manifests)
     example = manifests[-1] if manifests else None
     version = example["version"] if example else "VERSION"
@@ -87,4 +87,31 @@ tags can be moved.
 ## License
 
 The artifacts contain the weights of `{base}` and are distributed under Apache-2.0 with attribution to Google.
+"""
+
+
+def demo_card(manifests: list[dict], repo_id: str) -> str:
+    """The card of a repository of demo builds (the embedded tiny test model): it says what they are, and claims no
+    base model."""
+    rows = "\n".join(_row(m) for m in manifests)
+    names = sorted({m["model"]["name"] for m in manifests})
+    return f"""---
+license: apache-2.0
+library_name: neuronx-distributed
+tags:
+  - gemma-4
+  - demo
+---
+
+# Demo builds of {', '.join(names)} (not a real model)
+
+**These are not Gemma-4-E4B artifacts.** `{repo_id}` holds builds of the gemma4-neuron-pipeline's embedded tiny
+Gemma-4 test model (random weights, a few layers at toy widths), published with `publish.allow_demo=true` to
+exercise the publishing path. They generate no useful text and must not be served.
+
+## Versions
+
+| version | kv_max | bucket | dtype | prefill | tp | backend / compiler | tok/s | first token ms | parity |
+|---|---|---|---|---|---|---|---|---|---|
+{rows}
 """

@@ -29,6 +29,7 @@ ARCHIVE_FORMATS = ("tar.zst", "tar.gz", "tar")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
+PLACEHOLDER_OWNERS = ("your-org", "your-username", "your-name", "org", "user", "username", "example")
 
 
 @dataclass
@@ -270,6 +271,9 @@ class PublishConfig:
     regression: RegressionConfig = field(default_factory=RegressionConfig)
     allow_regression: bool = False
     """Publish a rebuild even if it regressed against the last published version (recorded in its manifest)."""
+    allow_demo: bool = False
+    """Publish to the Hub a build that is not a real model compiled for Inferentia (the embedded tiny model, or a cpu
+    backend build); its model card then says what it is. Local publishing takes them always."""
 
 
 @dataclass
@@ -454,6 +458,11 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found.append(f"package.threads={cfg.package.threads} must be 0 (one per core) or positive")
     found += signing_problems(cfg)
     found += _choice("publish.target", cfg.publish.target, PUBLISH_TARGETS)
+    if cfg.publish.target == "hub" and (cfg.publish.repo_id or "").split("/")[0] in PLACEHOLDER_OWNERS:
+        found.append(f"publish.repo_id={cfg.publish.repo_id!r} is the documentation's placeholder: set it to the "
+                     "repository to publish to, publish.repo_id=<your org>/<repo>")
+    elif cfg.publish.target == "hub" and "/" not in (cfg.publish.repo_id or ""):
+        found.append(f"publish.repo_id={cfg.publish.repo_id!r} names no owner: publish=hub needs 'owner/name'")
     if not REPO_ID_RE.match(cfg.publish.repo_id or "") or len(cfg.publish.repo_id) > 96:
         found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name' (letters, "
                      "digits, '-', '_', '.')")

@@ -57,9 +57,11 @@ def project(tmp_path_factory, validated_512_fp32) -> Path:
     return root
 
 
-def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str):
+def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str, allow_demo: bool = True):
+    """Publishing the tiny model's cpu builds to the test Hub: demo builds, allowed (unless asked otherwise)."""
     return config(root, *FAST_VALIDATE, "publish=hub", f"publish.repo_id={REPO_ID}", "publish.retry_base_s=0.01",
-                  "publish.retry_max_s=0.02", *extra, variant=variant)
+                  "publish.retry_max_s=0.02", f"publish.allow_demo={str(allow_demo).lower()}", *extra,
+                  variant=variant)
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -85,7 +87,8 @@ def test_first_publish_is_one_commit_and_one_tag(hub, project):
     assert manifest["validation"]["gates"]["passed"] is True
     assert ("PUT", f"/lfs-upload/{manifest['archive']['sha256']}") in hub.calls  # the large-file path
     card = files["README.md"].decode()
-    assert card.startswith("---\nlicense: apache-2.0\nbase_model: google/gemma-4-E4B-it\n") and VERSION in card
+    assert card.startswith("---\nlicense: apache-2.0\n") and VERSION in card
+    assert "base_model" not in card  # the tiny model's builds claim no base model (test_a_demo_build...)
     receipt = read_json(Paths.of(cfg).receipt)
     assert receipt == {"target": "hub", "repo": REPO_ID, "version": VERSION, "tag": VERSION, "commit": repo.main,
                        "fingerprint": manifest["fingerprint"], "archive_sha256": manifest["archive"]["sha256"]}
@@ -211,3 +214,39 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
     manifest = json.loads(files_at(hub, version)["256_bf16_host/manifest.json"])
     assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [path.name, path.name + ".manifest.json"]
+
+
+# -- what may go to the Hub --------------------------------------------------------------------------------------
+
+def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_it_is(hub, project):
+    repo = hub.repos.get(REPO_ID)
+    before = (len(repo.commits), dict(repo.tags)) if repo else None
+    with pytest.raises(PublishError, match=r"embedded tiny test model, not a Hub checkpoint; it was built by the cpu "
+                                           r"backend.*publish.allow_demo=true.*Nothing was published"):
+        run(hub_cfg(project, allow_demo=False), "publish")
+    repo = hub.repos.get(REPO_ID)
+    assert ((len(repo.commits), dict(repo.tags)) if repo else None) == before  # nothing committed or tagged
+    run(hub_cfg(project), "publish")
+    card = files_at(hub, VERSION)["README.md"].decode()
+    assert "# Demo builds of gemma4_tiny (not a real model)" in card and "must not be served" in card
+    assert "base_model" not in card and "google/gemma-4-E4B-it" not in card
+
+
+def test_the_placeholder_repo_id_and_an_ownerless_one_are_refused_for_the_hub(tmp_path):
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"publish.repo_id='your-org/gemma-4-E4B-it-inferentia2' is the "
+                                          r"documentation's placeholder"):
+        config(tmp_path, "publish=hub")
+    with pytest.raises(ConfigError, match="names no owner"):
+        config(tmp_path, "publish=hub", "publish.repo_id=gemma4-builds")
+    config(tmp_path, "publish=local")  # the local folder needs no owner
+
+
+def test_a_repository_of_one_model_refuses_a_build_of_another():
+    from pipeline.stages.publish import require_same_model
+
+    ours = {"version": "512_bf16-ncc2.23.6484.0", "model": {"hub_id": "google/gemma-4-E4B-it"}}
+    require_same_model(ours, [ours], "org/repo")
+    with pytest.raises(PublishError, match=r"org/repo holds builds of \['google/gemma-4-E2B-it'\]"):
+        require_same_model(ours, [{"model": {"hub_id": "google/gemma-4-E2B-it"}}], "org/repo")

@@ -48,6 +48,36 @@ def validation_summary(metrics: dict, report: dict) -> dict:
             "throughput_floor": report["throughput_gate"]["floor"]}
 
 
+def demo_reasons(manifest: dict) -> list[str]:
+    """Why a build is not the real model compiled for Inferentia (empty when it is)."""
+    reasons = []
+    if not manifest["model"].get("hub_id"):
+        reasons.append(f"its model, {manifest['model']['name']!r}, is the embedded tiny test model, not a Hub "
+                       "checkpoint")
+    if manifest["backend"] != "neuron":
+        reasons.append(f"it was built by the {manifest['backend']} backend, not compiled for Inferentia")
+    return reasons
+
+
+def require_real_or_allowed(manifest: dict, repo_id: str, allow_demo: bool) -> None:
+    """The Hub gets real Inferentia builds, or demo builds only when asked for (publish.allow_demo)."""
+    reasons = demo_reasons(manifest)
+    if reasons and not allow_demo:
+        raise PublishError(f"refusing to publish {manifest['version']} to {repo_id}: " + "; ".join(reasons) + ". "
+                           "Build the real model on an inf2 host (model=gemma4_e4b backend=neuron), or set "
+                           "publish.allow_demo=true to publish it as a demo build (its card says so). Nothing was "
+                           "published")
+
+
+def require_same_model(manifest: dict, published: list[dict], repo_id: str) -> None:
+    """One repository, one model: the card names it, and every version must be a build of it."""
+    theirs = {m["model"].get("hub_id") for m in published}
+    if theirs and theirs != {manifest["model"].get("hub_id")}:
+        raise PublishError(f"{repo_id} holds builds of {sorted(map(str, theirs))}; {manifest['version']} is a build of "
+                           f"{manifest['model'].get('hub_id')!r}: publish it to another publish.repo_id. Nothing was "
+                           "published")
+
+
 def require_validated(manifest: dict, metrics: dict, report: dict, variant: str) -> None:
     if report.get("archive_sha256") != manifest["archive"]["sha256"]:
         raise PublishError(f"{variant}: the validation on record is for another archive than dist/ holds: "
@@ -126,7 +156,9 @@ def publish_version(target, version: str, variant: str, prepare, fingerprint: st
     head = target.head()
     raw = target.read(head, f"{variant}/manifest.json")
     files, manifest = prepare(json.loads(raw) if raw else None)
-    card = render(published_manifests(target, version) + [manifest], repo_id).encode()
+    others = published_manifests(target, version)
+    require_same_model(manifest, others, repo_id)
+    card = render(others + [manifest], repo_id).encode()
     stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
     commit = target.commit({**files, "README.md": card}, stale, f"Publish {version}", head)
     target.tag(version, commit, replace=version in tags)
@@ -169,6 +201,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     else:
         from pipeline import hub
 
+        require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
         target = hub.HubTarget(pub.repo_id, pub.private)
         result = hub.with_retries(lambda: publish(target), f"publishing {version} to {pub.repo_id}", pub.retries,
                                   pub.retry_base_s, pub.retry_max_s)
