@@ -107,11 +107,20 @@ SUBCOMMANDS = {"pull": _pull, "generate": _generate, "schedule": _schedule, "che
                "neuron-check": _neuron_check}
 
 
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
-        command = sys.argv.pop(1)
-        sys.exit(SUBCOMMANDS[command](sys.argv[1:]))
-    _hydra_entry()
+    try:
+        if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+            command = sys.argv.pop(1)
+            sys.exit(SUBCOMMANDS[command](sys.argv[1:]))
+        _hydra_entry()
+    except KeyboardInterrupt:
+        # One line, not the tracebacks of every frame the interruption passed through: every output is written
+        # under a temporary name and renamed only when complete, so nothing half-written is left to warn about.
+        print("interrupted: nothing half-written was kept; run the same command again to finish", file=sys.stderr)
+        sys.exit(INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from pipeline import manifest as manifest_mod
 from pipeline.archive import verify_build
 from pipeline.backends import get_backend
 from pipeline.backends.base import BuildShape
-from pipeline.errors import PipelineError
-from pipeline.generation import Generator
+from pipeline.errors import InputError, PipelineError
+from pipeline.generation import Generator, check_fits
 from pipeline.prompts import chat_ids
 from pipeline.pull import manifest_beside
 
@@ -35,6 +35,17 @@ def text_prefix_of(checkpoint: Path) -> str:
     return "model.language_model." if model_type == "gemma4" else "model."
 
 
+def require_tokenizer(checkpoint: Path) -> None:
+    """The checkpoint's tokenizer, or a refusal naming what is missing (transformers would otherwise fall back to a
+    sentencepiece conversion and fail with its own traceback)."""
+    if not (checkpoint / "config.json").is_file():
+        raise InputError(f"--checkpoint {checkpoint} has no config.json: point it at the base model's checkpoint "
+                         "folder")
+    if not (checkpoint / "tokenizer.json").is_file() and not (checkpoint / "tokenizer.model").is_file():
+        raise InputError(f"--checkpoint {checkpoint} has no tokenizer (tokenizer.json or tokenizer.model): download "
+                         "the base model's tokenizer files into it (the model stage's weights/ folder has them)")
+
+
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int, text_prefix: str | None) -> dict:
     from transformers import AutoTokenizer
 
@@ -45,15 +56,19 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int,
     manifest = manifest_mod.load(manifest_beside(rank_dir))
     build = verify_build(rank_dir, manifest["members"])
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    require_tokenizer(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = chat_ids(tokenizer, prompt)
+    # At most what the cache has room for; a prompt that leaves no room is refused now, before anything loads.
+    new_tokens = max(1, min(max_new_tokens, shape.kv_max - len(ids)))
+    check_fits(len(ids), new_tokens, shape)
     spec = load_spec(checkpoint)
     with Checkpoint(checkpoint, text_prefix or text_prefix_of(checkpoint)) as ckpt:
         ckpt.verify(spec)
         host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
         with get_backend(manifest["backend"]).load(build, shape) as runner:
             gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
-            out = gen.generate(ids, min(max_new_tokens, shape.kv_max - len(ids)))
+            out = gen.generate(ids, new_tokens)
     tokens = [t for t in out.tokens if t not in spec.eos_token_ids]
     decode_s = sum(out.decode_s)
     return {"text": tokenizer.decode(tokens, skip_special_tokens=True), "prompt_tokens": len(ids),

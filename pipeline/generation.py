@@ -34,6 +34,8 @@ def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
     """Refuse a request the build's static KV cache cannot hold."""
     if prompt_len < 1:
         raise InputError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise InputError(f"{max_new_tokens} new tokens asked for: ask for at least 1")
     if prompt_len + max_new_tokens > shape.kv_max:
         raise InputError(
             f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {prompt_len + max_new_tokens} "

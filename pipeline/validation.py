@@ -288,6 +288,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     try:
         result = {"ok": True, "metrics": run_job(job)}
+    except KeyboardInterrupt:  # the stage process was interrupted too, and says so
+        return 130
     except Exception as exc:  # noqa: BLE001 - the stage process reports it
         log.exception("validation failed")
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}

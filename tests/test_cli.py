@@ -52,3 +52,24 @@ def test_unknown_variant_lists_the_available_ones(tmp_path):
     out = proc.stdout + proc.stderr
     for name in ("256_bf16_host", "512_fp32", "2048_bf16"):
         assert name in out
+
+
+def test_ctrl_c_says_one_line_and_exits_130(tmp_path):
+    """Interrupted in the middle of a stage: one line saying so, no tracebacks, the shell's 130."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "+variant=512_fp32", "backend=cpu",
+                             f"artifacts_dir={tmp_path / 'artifacts'}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,  # Hydra logs to stdout
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal gives it
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "trace: 512_fp32 on cpu" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted: nothing half-written was kept" in rest and "Traceback" not in rest
+    assert not (tmp_path / "artifacts" / "gemma4_tiny" / "512_fp32" / "build").exists()

@@ -390,6 +390,19 @@ def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_projec
     ok = subprocess.run(generate, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "26 prompt tokens, 8 new tokens" in ok.stderr
+    long = [*generate[:7], "--prompt", "Paris is a city. " * 150]  # about 600 tokens, on a kv_max 512 build
+    refused = subprocess.run(long, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "cache positions but variant.kv_max is 512" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in weights.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (bare / f.name).symlink_to(f)
+    no_tokenizer = subprocess.run([*generate[:6], str(bare), *generate[7:]], capture_output=True, text=True,
+                                  timeout=300)
+    assert no_tokenizer.returncode == 1 and "has no tokenizer (tokenizer.json" in no_tokenizer.stderr
+    assert "Traceback" not in no_tokenizer.stderr
     (pulled / "tp_1.pt").write_bytes(b"tampered")
     bad = subprocess.run(generate, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "rank file" in bad.stderr and "the manifest says" in bad.stderr

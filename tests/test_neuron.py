@@ -569,3 +569,12 @@ def test_dvc_repro_validates_on_the_detected_hardware():
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
     assert "hardware=${hardware}" in stages["validate"]["do"]["cmd"]
     assert yaml.safe_load((repo / "params.yaml").read_text())["hardware"] == "auto"
+
+
+def test_without_the_neuron_packages_the_trace_says_to_install_them_first(tmp_path):
+    cfg = neuron_config(tmp_path, "512_bf16")
+    run(cfg, "toolchain")
+    run(cfg, "model")
+    with pytest.raises(BuildError) as refused:
+        run(cfg, "trace")
+    assert "pip install -e '.[neuron]'" in str(refused.value) and "stage=toolchain" not in str(refused.value)

@@ -116,6 +116,10 @@ class Backend(Protocol):
     def compiler_id(self, toolchain: dict) -> str:
         """The compiler part of a version name, e.g. ``ncc2.23.6484.0`` or ``cpu-torch2.13.0``."""
 
+    def check(self, request: TraceRequest) -> None:
+        """Refuse, before anything is written, what this backend cannot build (its packages, the variant, the
+        checkpoint)."""
+
     def trace(self, request: TraceRequest, out_dir: Path) -> dict:
         """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
 

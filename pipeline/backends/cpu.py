@@ -280,6 +280,10 @@ class CpuBackend:
         version = str(toolchain.get("packages", {}).get("torch", {}).get("version") or torch.__version__)
         return "cpu-torch" + version.split("+")[0]
 
+    def check(self, request: TraceRequest) -> None:
+        """Every refusal that needs no tracing, before anything is written."""
+        check_request(request)
+
     def compiler_info(self) -> dict:
         return {"compiler": "torch.jit.trace", "torch": torch.__version__, "python": platform.python_version()}
 

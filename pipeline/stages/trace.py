@@ -132,6 +132,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     for stale in clean_stale_temps(paths.variant_dir):
         log.warning("trace: removed %s left by an interrupted run", stale)
     impl = get_backend(backend)
+    impl.check(request(cfg, backend))  # e.g. the neuron backend's packages: said before anything else
     compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
     need = preflight_need(cfg, backend)
     host = preflight.check(need, cfg.preflight)
