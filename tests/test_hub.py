@@ -57,9 +57,9 @@ def project(tmp_path_factory, validated_512_fp32) -> Path:
     return root
 
 
-def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str, allow_demo: bool = True):
+def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str, allow_demo: bool = True, repo_id: str = REPO_ID):
     """Publishing the tiny model's cpu builds to the test Hub: demo builds, allowed (unless asked otherwise)."""
-    return config(root, *FAST_VALIDATE, "publish=hub", f"publish.repo_id={REPO_ID}", "publish.retry_base_s=0.01",
+    return config(root, *FAST_VALIDATE, "publish=hub", f"publish.repo_id={repo_id}", "publish.retry_base_s=0.01",
                   "publish.retry_max_s=0.02", f"publish.allow_demo={str(allow_demo).lower()}", *extra,
                   variant=variant)
 
@@ -219,15 +219,13 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
 # -- what may go to the Hub --------------------------------------------------------------------------------------
 
 def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_it_is(hub, project):
-    repo = hub.repos.get(REPO_ID)
-    before = (len(repo.commits), dict(repo.tags)) if repo else None
+    demo_repo = "tester/demo-builds"  # a repository of its own: the other tests' repository holds edited builds
     with pytest.raises(PublishError, match=r"embedded tiny test model, not a Hub checkpoint; it was built by the cpu "
                                            r"backend.*publish.allow_demo=true.*Nothing was published"):
-        run(hub_cfg(project, allow_demo=False), "publish")
-    repo = hub.repos.get(REPO_ID)
-    assert ((len(repo.commits), dict(repo.tags)) if repo else None) == before  # nothing committed or tagged
-    run(hub_cfg(project), "publish")
-    card = files_at(hub, VERSION)["README.md"].decode()
+        run(hub_cfg(project, allow_demo=False, repo_id=demo_repo), "publish")
+    assert demo_repo not in hub.repos  # refused before any request
+    run(hub_cfg(project, repo_id=demo_repo), "publish")
+    card = hub.repos[demo_repo].resolve(VERSION).files["README.md"].decode()
     assert "# Demo builds of gemma4_tiny (not a real model)" in card and "must not be served" in card
     assert "base_model" not in card and "google/gemma-4-E4B-it" not in card
 
