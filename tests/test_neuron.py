@@ -455,15 +455,13 @@ def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, 
     assert not [p for p in variant_dir.iterdir() if p.name.startswith(".")]  # no staging directory left
 
 
-def test_the_neuron_preflight_refuses_a_host_without_neuroncores(tmp_path):
+def test_the_neuron_preflight_refuses_a_host_without_neuroncores(fake_neuron, tmp_path, monkeypatch):
+    """The Neuron packages installed, but no Neuron device (no neuron-ls): refused before any compile."""
     from pipeline.errors import PreflightError
 
-    cfg = neuron_config(tmp_path, "512_bf16")
-    run(cfg, "toolchain")
-    record = json.loads((tmp_path / "toolchain.json").read_text())
-    record["neuronx_cc"]["version"] = "2.23.6484.0+f702b353"  # as if the compiler were installed
-    (tmp_path / "toolchain.json").write_text(json.dumps(record))
-    run(cfg, "model")
+    path = os.environ["PATH"].split(os.pathsep)
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in path if p != str(fake_neuron / "bin")))
+    cfg = _prepared(tmp_path, "512_bf16")
     with pytest.raises(PreflightError, match="needs 2 NeuronCores but neuron-ls is not available"):
         run(cfg, "trace")
     assert not (tmp_path / "gemma4_tiny" / "512_bf16" / "build").exists()
