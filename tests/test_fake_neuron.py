@@ -173,7 +173,7 @@ rank = model.models[1]
 print(os.environ["MASTER_PORT"], [(n, float(p[0])) for n, p in rank.named_parameters(remove_duplicate=False)])
 """)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("[Gloo]")]  # torch 2.8's gloo chatter
     assert lines[0] in ("lambda: PicklingError", "lambda: AttributeError")  # ranks are spawned: func must pickle
     # states.0 is b (inserted first), written from output 2; states.1 is a, from output 1; the module's own
     # attributes are the same (moved) tensors
