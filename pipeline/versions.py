@@ -46,6 +46,7 @@ def supported(name: str) -> SpecifierSet:
 
 
 def installed(name: str) -> str | None:
+    """The installed version of distribution ``name``, or None."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

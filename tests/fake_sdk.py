@@ -38,6 +38,20 @@ def _script(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
+def _tool(dest: Path, name: str, flag: str, output: str) -> None:
+    """``dest/bin/name``: answers ``name flag`` as the real tool does (``output``: the shell command printing the
+    answer), and refuses anything else."""
+    _script(dest / "bin" / name, f"""#!/bin/sh
+# Test stand-in: {name} {flag}, in the real tool's output format.
+if [ "$1" = "{flag}" ]; then
+  {output}
+  exit 0
+fi
+echo "stand-in {name}: only {flag}" >&2
+exit 2
+""")
+
+
 def install(dest: Path, release: str = neuron_sdk.PINNED, cores: int = 2) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for module in MODULES:
@@ -53,28 +67,13 @@ def install(dest: Path, release: str = neuron_sdk.PINNED, cores: int = 2) -> Pat
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "INSTALLER").write_text("stand-in\n")
     (dest / "bin").mkdir(exist_ok=True)
-    ncc = versions(release)["neuronx-cc"]
-    _script(dest / "bin" / "neuronx-cc", f"""#!/bin/sh
-# Test stand-in: neuronx-cc's --version output format.
-if [ "$1" = "--version" ]; then
-  printf 'NeuronX Compiler version {ncc}\\n\\nPython version 3.11.0\\nHWM version 2.0.0\\n'
-  exit 0
-fi
-echo "stand-in neuronx-cc: only --version" >&2
-exit 2
-""")
-    devices = ", ".join(
+    ncc = versions(release)["neuronx-cc"]  # with its build hash, as --version prints it
+    _tool(dest, "neuronx-cc", "--version",
+          f"printf 'NeuronX Compiler version {ncc}\\n\\nPython version 3.11.0\\nHWM version 2.0.0\\n'")
+    devices = ", ".join(  # Inferentia2 devices of 2 NeuronCores each
         f'{{"neuron_device": {d}, "bdf": "00:{0x1f - d:02x}.0", "nc_count": 2, "memory_size": 34359738368, '
         f'"neuroncore_ids": [{2 * d}, {2 * d + 1}], "neuron_processes": []}}' for d in range(max(1, cores // 2)))
-    _script(dest / "bin" / "neuron-ls", f"""#!/bin/sh
-# Test stand-in: neuron-ls --json-output, Inferentia2 devices of 2 NeuronCores each ({cores} cores).
-if [ "$1" = "--json-output" ]; then
-  echo '[{devices}]'
-  exit 0
-fi
-echo "stand-in neuron-ls: only --json-output" >&2
-exit 2
-""")
+    _tool(dest, "neuron-ls", "--json-output", f"echo '[{devices}]'")
     # An inf2.8xlarge names itself in its DMI product name (hardware=auto reads it; its throughput floors apply).
     (dest / "dmi_product_name").write_text("inf2.8xlarge\n")
     return dest

@@ -20,7 +20,6 @@ is set, since nothing has shown that they work there.
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -86,13 +85,9 @@ def pinned_requirements() -> list[str]:
 
 
 def installed_versions() -> dict[str, str | None]:
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    from pipeline.versions import installed
+
+    return {name: installed(name) for name in PACKAGES}
 
 
 def release_part(version: str | None) -> str | None:

@@ -27,6 +27,7 @@ from pipeline.fsutil import write_json_if_changed
 from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.stages import StageResult
+from pipeline.versions import installed as package_version
 
 SCHEMA_VERSION = 2
 PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx", "neuronx-distributed",
@@ -34,13 +35,6 @@ PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx
 SYSTEM_PACKAGE_PATTERN = "aws-neuronx-*"  # driver (aws-neuronx-dkms), runtime, collectives, tools
 NCC_VERSION_RE = re.compile(r"NeuronX Compiler version\s+(\S+)")
 TOOL_TIMEOUT_S = 60
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # -- neuronx-cc ---------------------------------------------------------------------------------------------------

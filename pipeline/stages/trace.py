@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pipeline import preflight
@@ -132,13 +132,14 @@ def run(cfg: PipelineConfig) -> StageResult:
     for stale in clean_stale_temps(paths.variant_dir):
         log.warning("trace: removed %s left by an interrupted run", stale)
     impl = get_backend(backend)
-    impl.check(request(cfg, backend))  # e.g. the neuron backend's packages: said before anything else
+    req = request(cfg, backend)
+    impl.check(req)  # e.g. the neuron backend's packages: said before anything else
     compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
     need = preflight_need(cfg, backend)
     host = preflight.check(need, cfg.preflight)
     log.info("trace: preflight passed: needs %.1f GiB of RAM + swap, %d NeuronCores; host offers %s", need.memory / GIB,
              need.neuron_cores, host.summary())
-    req = request(cfg, backend, host, need)
+    req = replace(req, host=host, need=need)  # the preflight's figures, quoted if the compile is killed
     started = time.monotonic()
     log.info("trace: %s on %s, tp_degree %d, kv_max %d, bucket %d, %s, %s prefill", cfg.variant.name, backend,
              req.shape.tp_degree, req.shape.kv_max, req.shape.bucket, req.shape.dtype, req.shape.prefill)
