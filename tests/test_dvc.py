@@ -66,6 +66,54 @@ def quicker_validation(dst: Path) -> None:
     (dst / "conf" / "validate" / "default.yaml").write_text(yaml.safe_dump(validate))
 
 
+def test_dvc_yaml_lists_exactly_the_code_each_stage_fingerprints():
+    """One table (pipeline.stages.CODE) says what code a stage runs; dvc.yaml's deps are its copy for `dvc repro`."""
+    from pipeline.stages import CODE, ORDER
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert list(stages) == list(ORDER)
+    for name, stage in stages.items():
+        deps = (stage.get("do") or stage)["deps"]
+        listed = sorted(d.removeprefix("pipeline/") for d in deps if d.startswith("pipeline/"))
+        assert listed == sorted(CODE[name]), f"dvc.yaml's {name} deps disagree with pipeline.stages.CODE"
+        for rel in CODE[name]:
+            assert (REPO / "pipeline" / rel).exists(), rel
+
+
+def test_every_module_a_stage_runs_is_in_its_code(monkeypatch, tmp_path):
+    """Editing any file of a stage's code changes that stage's code digest (what its fingerprint hashes), and the
+    stage modules' own imports of pipeline code are covered (a module a stage imports to compute its outputs and that
+    is missing from CODE would reuse stale outputs)."""
+    import ast
+
+    from pipeline import records, stages
+
+    shutil.copytree(REPO / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(records, "PACKAGE_DIR", tmp_path / "pipeline")
+    plumbing = {"config", "errors", "fsutil", "log", "paths", "records", "preflight", "procinfo", "locking",
+                "stages", "__init__"}
+    for stage, code in stages.CODE.items():
+        files = [f for rel in code for f in ([tmp_path / "pipeline" / rel] if rel.endswith(".py")
+                                             else sorted((tmp_path / "pipeline" / rel).rglob("*.py")))]
+        for path in files:
+            before = stages.code_of(stage)
+            original = path.read_text()
+            path.write_text(original + "\n_edited = 1\n")
+            assert stages.code_of(stage) != before, f"{stage}: editing {path.name} left its digest unchanged"
+            path.write_text(original)
+        tree = ast.parse((REPO / "pipeline" / "stages" / f"{stage}.py").read_text())
+        imported = {alias.name if node.module == "pipeline" else node.module.removeprefix("pipeline.")
+                    for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("pipeline") for alias in node.names}
+        for module in imported:
+            top = module.split(".")[0]
+            if top in plumbing or module.startswith(("stages", "__")):
+                continue
+            as_path = module.replace(".", "/")
+            covered = any(rel in (f"{as_path}.py", f"{as_path}/__init__.py", top) for rel in code)
+            assert covered, f"stage {stage} imports pipeline.{module}, which pipeline.stages.CODE[{stage!r}] omits"
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     return checkout_copy(tmp_path_factory.mktemp("dvc") / "repo", VARIANTS, quicker_validation)

@@ -24,11 +24,12 @@ from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.spec import load_spec
-from pipeline.records import code_digest, fingerprint, is_fresh, require_record
-from pipeline.stages import StageResult
+from pipeline.records import code_digest, fingerprint, is_fresh, read_record, require_record
+from pipeline.stages import StageResult, code_of
 
 
-def identity(cfg: PipelineConfig) -> dict:
+def source(cfg: PipelineConfig) -> dict:
+    """Where the checkpoint comes from: what decides the files in weights/."""
     m = cfg.model
     if m.path is not None:
         return {"source": "path", "path": str(Path(m.path).resolve()), "text_prefix": m.text_prefix,
@@ -38,6 +39,11 @@ def identity(cfg: PipelineConfig) -> dict:
 
         return {"source": "tiny", "tiny": asdict(m.tiny), "generator": code_digest("tiny_model.py", "texts.py")}
     return {"source": "hub", "hub_id": m.hub_id, "revision": m.revision, "allow_patterns": list(m.allow_patterns)}
+
+
+def identity(cfg: PipelineConfig) -> dict:
+    """What the model stage's outputs are made from: the checkpoint's source and the code that checks it."""
+    return source(cfg) | {"code": code_of("model")}
 
 
 def _link_or_copy(src_dir: Path, dst_dir: Path, patterns: list[str]) -> None:
@@ -81,6 +87,7 @@ def describe(cfg: PipelineConfig, weights: Path, fp: str) -> dict:
              if p.is_file()}
     return {
         "fingerprint": fp,
+        "source_fingerprint": fingerprint(source(cfg)),
         "name": cfg.model.name,
         "source": identity(cfg)["source"],
         "hub_id": cfg.model.hub_id,
@@ -94,6 +101,16 @@ def describe(cfg: PipelineConfig, weights: Path, fp: str) -> dict:
     }
 
 
+def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> bool:
+    """weights/ holds, unmodified, the files the last run recorded from the checkpoint source ``cfg`` names."""
+    record = read_record(paths.model_record)
+    if not record or record.get("source_fingerprint") != fingerprint(source(cfg)) or not paths.weights.is_dir():
+        return False
+    found = {p.name: p.stat().st_size for p in paths.weights.iterdir() if p.is_file()}
+    return found == {name: f["size"] for name, f in record.get("files", {}).items()} and all(
+        sha256_file(paths.weights / name) == f["sha256"] for name, f in record["files"].items())
+
+
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     fp = fingerprint(identity(cfg))
@@ -101,10 +118,15 @@ def run(cfg: PipelineConfig) -> StageResult:
         log.info("model: %s is up to date (%s)", cfg.model.name, paths.weights)
         return StageResult("model", "skipped")
     started = time.monotonic()
-    log.info("model: materialising %s (%s) into %s", cfg.model.name, identity(cfg)["source"], paths.weights)
-    with staged_dir(paths.weights) as tmp:
-        materialise(cfg, tmp)
-        record = describe(cfg, tmp, fp)
+    if not cfg.force and same_checkpoint(cfg, paths):
+        # Only the code that checks and records it changed: an E4B checkpoint is 16 GB, not worth fetching again.
+        log.info("model: %s is the same checkpoint, recorded by changed code: checking it again", cfg.model.name)
+        record = describe(cfg, paths.weights, fp)
+    else:
+        log.info("model: materialising %s (%s) into %s", cfg.model.name, identity(cfg)["source"], paths.weights)
+        with staged_dir(paths.weights) as tmp:
+            materialise(cfg, tmp)
+            record = describe(cfg, tmp, fp)
     atomic_write_json(paths.model_record, record)
     size = sum(f["size"] for f in record["files"].values())
     log.info("model: %d files, %.1f MB, config %s", len(record["files"]), size / 1e6, record["config_digest"][:12])

@@ -20,7 +20,7 @@ from pipeline.fsutil import reporting_full_disk, staged_dir
 from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.records import fingerprint, is_fresh
-from pipeline.stages import StageResult
+from pipeline.stages import StageResult, code_of
 from pipeline.stages import trace as trace_stage
 
 
@@ -35,7 +35,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     version = version_name(cfg.variant.name, build["compiler"]["id"])
     root = f"{cfg.model.name}-{version}"
     fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
-                      "created_by": __version__, "signed": bool(cfg.package.signing.private_key)})
+                      "created_by": __version__, "signed": bool(cfg.package.signing.private_key),
+                      "code": code_of("package")})
     if not cfg.force and is_fresh(paths.manifest, fp):
         manifest = manifest_mod.load(paths.manifest)
         # Up to date only if it packs exactly the rank files the build records now.

@@ -21,8 +21,8 @@ from pipeline.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from pipeline.log import log, progress
 from pipeline.paths import Paths
 from pipeline.prompts import build_prompts
-from pipeline.records import code_digest, fingerprint, is_fresh, require_record
-from pipeline.stages import StageResult
+from pipeline.records import fingerprint, is_fresh, require_record
+from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages.toolchain import package_version
 
@@ -54,7 +54,7 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: dict, prompts: list[
         "top_k": TOP_K,
         "torch": package_version("torch"),
         "transformers": package_version("transformers"),
-        "code": code_digest("stages/reference.py"),
+        "code": code_of("reference"),
     })
 
 

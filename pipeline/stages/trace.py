@@ -26,13 +26,10 @@ from pipeline.fsutil import atomic_write_json, clean_stale_temps
 from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.preflight import GIB
-from pipeline.records import code_digest, fingerprint, read_record, require_record
-from pipeline.stages import StageResult
+from pipeline.records import fingerprint, read_record, require_record
+from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
-
-# The source each backend's builds depend on, beyond the recipe (a change to one backend never rebuilds the other's).
-BACKEND_CODE = {"cpu": ("backends/cpu.py",), "neuron": ("backends/neuron.py", "backends/neuron_rank.py")}
 
 
 def backend_name(cfg: PipelineConfig, toolchain: dict) -> str:
@@ -107,7 +104,7 @@ def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, 
         "compiler_args": compiler_args(cfg, backend),
         "compiler_env": compiler_env() if backend == "neuron" else {},
         "toolchain": toolchain,
-        "code": code_digest("recipe", "backends/__init__.py", "backends/base.py", *BACKEND_CODE[backend]),
+        "code": code_of("trace"),
     })
 
 

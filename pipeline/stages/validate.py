@@ -33,8 +33,8 @@ from pipeline.errors import ConfigError, IntegrityError, ParityError, PipelineEr
 from pipeline.fsutil import atomic_write_json
 from pipeline.log import log
 from pipeline.paths import Paths
-from pipeline.records import code_digest, fingerprint, read_record, require_record
-from pipeline.stages import StageResult
+from pipeline.records import fingerprint, read_record, require_record
+from pipeline.stages import StageResult, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.validation import select_prompts
@@ -61,7 +61,7 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict, ha
         "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity),
                      "throughput": asdict(cfg.validate.throughput), "prompt_names": cfg.validate.prompt_names},
         "hardware": hardware,
-        "code": code_digest("validation.py", "generation.py", "parity.py", "stages/validate.py"),
+        "code": code_of("validate"),
     })
 
 
