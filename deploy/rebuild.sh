@@ -3,15 +3,17 @@
 #
 # Run from a checkout on an inf2 host (the GitHub Actions workflow and the systemd service both call this):
 #   1. dvc pull      restore the last build's outputs from the DVC remote, so unchanged stages are not rebuilt;
-#   2. check-upgrades: exit 0 up to date, 3 an upgrade is available, anything else an error (stop here);
-#   3. on 3 (and UPGRADE=apply, the default) `check-upgrades --apply` installs the new versions and runs
+#   2. check-upgrades (Neuron packages from the Neuron repository only): exit 0 up to date, 3 an upgrade is available,
+#      4 the repository has a release newer than pipeline/backends/neuron_sdk.py's table (stop: add its row),
+#      anything else an error (stop here);
+#   3. on 3 (and UPGRADE=apply, the default) `check-upgrades --apply` installs the new release whole and runs
 #      `dvc repro`; on 0, `dvc repro` alone (only the toolchain stage runs unless conf/, code or variants changed);
 #      either way every rebuilt variant is traced, packaged, validated, regression-gated and published;
 #   4. dvc push      store the new outputs in the DVC remote for the next run and for other hosts.
 #
 # Settings (environment):
 #   UPGRADE=apply|check   apply (default) installs upgrades; check only reports them and builds nothing new
-#   CHECK_ARGS="..."      extra arguments for check-upgrades (index options: --index-url, --extra-index-url, ...)
+#   CHECK_ARGS="..."      extra arguments for check-upgrades (e.g. --neuron-index URL, a mirror of the Neuron repository)
 #   REPRO_ARGS="..."      extra arguments for dvc repro when no upgrade is applied (e.g. --force)
 #   SKIP_DVC_REMOTE=1     no dvc pull / dvc push (no remote configured)
 # Exit status: 0 when the build (if any) and the push succeeded, otherwise the failing step's status.
@@ -53,6 +55,11 @@ case "$status" in
         log "upgrading and rebuilding every variant"
         # shellcheck disable=SC2086
         python -m pipeline check-upgrades --apply ${CHECK_ARGS:-}
+        ;;
+    4)
+        log "the Neuron repository has a release newer than pipeline/backends/neuron_sdk.py knows: add its row" \
+            "(from Neuron's n2-manifest.json); nothing was built"
+        exit 4
         ;;
     *)
         log "check-upgrades failed with status $status; nothing was built"

@@ -1,60 +1,296 @@
-"""``python -m pipeline check-upgrades [--apply]``: is a newer Neuron compiler stack available than the installed one?
+"""``python -m pipeline check-upgrades [--apply]``: does the Neuron repository offer a newer SDK release?
 
-Compares the installed versions of neuronx-cc, torch-neuronx and neuronx-distributed (in the environment of
-``--python``, default this interpreter) with the newest the package index offers, asking pip itself:
-``pip install --dry-run --report`` names what pip would install, with the same index settings, platform tags,
-pre-release and yanked-release rules as a real install (pip.conf and ``PIP_*`` variables apply as usual). Prints a
-table (``--json``: a JSON document). Exit codes:
+The Neuron packages (torch-neuronx, neuronx-cc, neuronx-distributed, libneuronxla) move together, as the rows of
+``pipeline/backends/neuron_sdk.py``'s ``RELEASES`` table (the trace stage refuses any other mix). This command
+identifies the installed packages (in the environment of ``--python``, default this interpreter) as one row, reads
+the Neuron repository's PEP 503 pages for the four packages, and takes as the target the newest row whose every
+version the repository offers (torch-neuronx: the build for the installed torch, ``--torch`` to move torch too).
 
-    0  up to date            3  an upgrade is available (or a package is not installed)
-    1  error (the index cannot be read, a package is unknown to it)     2  bad arguments
+The versions come ONLY from the Neuron repository (``--neuron-index``, default https://pip.repos.neuron.amazonaws.com,
+or a mirror of it): never from pip's index settings. pip takes the highest version from all its indexes, the
+``--extra-index-url`` ones included, with no priority between them, so a placeholder or a hostile upload to PyPI
+would otherwise win (pip's docs, "pip install" --extra-index-url, and its "Dependency confusion" note in
+"Secure installs"). A repository that does not answer is an error naming it.
 
-``--apply`` installs exactly the versions found (``pip install NAME==VERSION``, dependencies resolved as usual), then
-runs the rebuild command (default ``dvc repro``): the toolchain stage records the new versions, and DVC re-runs
+Prints a table (``--json``: a JSON document with the installed and target rows). Exit codes, which
+deploy/rebuild.sh acts on:
+
+    0  up to date (the installed release is the newest the repository offers completely)
+    3  an upgrade is available, or no Neuron package is installed (``--apply`` installs the target release)
+    4  the repository offers a version newer than every row of the table (a Neuron release this pipeline does not
+       know yet): add its row to pipeline/backends/neuron_sdk.py from Neuron's n2-manifest.json. Nothing is
+       installed, even with --apply, until the table knows the newest release (one rebuild, straight to it).
+    1  error: the repository does not answer or has no page for a package, pip failed, or the installed packages are
+       not one release of the table (a mix or unknown versions; ``--apply`` replaces them with the target release)
+    2  bad arguments
+
+``--apply`` installs the target release's files from the Neuron repository (all four packages in one pip command),
+then runs the rebuild command (default ``dvc repro``): the toolchain stage records the new versions, and DVC re-runs
 trace, package, validate and publish for every variant, while the model and reference stay cached. It exits with
 the rebuild's status (0 when nothing needed upgrading).
 
     python -m pipeline check-upgrades
     python -m pipeline check-upgrades --apply
-    python -m pipeline check-upgrades --index-url https://pypi.org/simple \\
-        --extra-index-url https://pip.repos.neuron.amazonaws.com --json
-
-Index options (``--index-url``, ``--extra-index-url``, ``--find-links``) go to pip as given; with none, pip's own
-settings plus ``--extra-index-url https://pip.repos.neuron.amazonaws.com``, where the Neuron packages live.
+    python -m pipeline check-upgrades --neuron-index https://neuron-mirror.example/simple --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urldefrag, urljoin, urlparse
+from urllib.request import url2pathname
 
-from packaging.utils import canonicalize_name
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
 from packaging.version import InvalidVersion, Version
 
-from pipeline.backends.neuron_sdk import NEURON_INDEX
+from pipeline.backends import neuron_sdk
+from pipeline.backends.neuron_sdk import NEURON_INDEX, PINNED_TORCH, SdkRelease, release_part
 from pipeline.errors import PipelineError
 
-PACKAGES = ("neuronx-cc", "torch-neuronx", "neuronx-distributed")
-UP_TO_DATE, ERROR, UPGRADE_AVAILABLE = 0, 1, 3
+PACKAGES = neuron_sdk.PACKAGES
+UP_TO_DATE, ERROR, UPGRADE_AVAILABLE, TABLE_BEHIND = 0, 1, 3, 4
+EXIT_CODES = {"current": UP_TO_DATE, "upgrade": UPGRADE_AVAILABLE, "missing": UPGRADE_AVAILABLE, "mixed": ERROR,
+              "newer-than-table": TABLE_BEHIND}
 PIP_TIMEOUT_S = 900
-
-
-@dataclass
-class PackageStatus:
-    name: str
-    installed: str | None
-    newest: str
-    status: str  # current | upgrade | missing
+PAGE_TIMEOUT_S = 30
 
 
 class UpgradeCheckError(PipelineError):
-    """pip could not answer: the index is unreachable or does not have a package."""
+    """The Neuron repository did not answer, lacks a package, or pip failed or chose a file from elsewhere."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One file on the Neuron repository's page of a package."""
+
+    name: str
+    version: str
+    url: str  # absolute, with the page's #sha256= fragment
+    yanked: bool = False
+
+
+@dataclass
+class Plan:
+    """The installed release, the target release and what to say about them."""
+
+    status: str  # current | upgrade | missing | mixed | newer-than-table
+    torch: str
+    installed: dict[str, str | None]
+    installed_release: str | None
+    target_release: str | None = None
+    target: dict[str, str] = field(default_factory=dict)  # package -> version as the repository offers it
+    newer_than_table: list[str] = field(default_factory=list)  # "neuronx-cc 2.25.1.0"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def packages(self) -> list[dict[str, str | None]]:
+        rows = []
+        for name in PACKAGES:
+            have, want = self.installed.get(name), self.target.get(name)
+            status = ("missing" if have is None else "current" if want is None or same_release(have, want)
+                      else "upgrade" if newer(want, have) else "change")
+            rows.append({"name": name, "installed": have, "target": want, "status": status})
+        return rows
+
+
+# --- the Neuron repository's pages (PEP 503), read directly: pip cannot tell "unreachable" from "no such version"
+
+
+class _Anchors(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[tuple[str, bool]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "a" and found.get("href"):
+            self.links.append((found["href"], "data-yanked" in found))  # PEP 592
+
+
+def project_page(index: str, name: str) -> str:
+    return f"{index.rstrip('/')}/{canonicalize_name(name)}/"
+
+
+def unreachable(index: str, page: str, reason: object) -> UpgradeCheckError:
+    return UpgradeCheckError(
+        f"the Neuron repository {index} does not answer ({page}: {reason}). Check the URL (--neuron-index, default "
+        f"{NEURON_INDEX}), this host's network access and its proxy settings (HTTPS_PROXY); no other index is asked "
+        "for the Neuron packages, and nothing was installed")
+
+
+def read_page(index: str, name: str) -> str:
+    page = project_page(index, name)
+    if urlparse(page).scheme == "file":  # as pip reads a file:// index: a directory's index.html
+        root, path = Path(url2pathname(urlparse(index).path)), Path(url2pathname(urlparse(page).path))
+        if not root.is_dir():
+            raise unreachable(index, page, "no such directory")
+        if not (path / "index.html").is_file():
+            raise UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}): is it a mirror "
+                                    "of the Neuron repository?")
+        return (path / "index.html").read_text()
+    request = urllib.request.Request(page, headers={"Accept": "text/html"})
+    try:
+        with urllib.request.urlopen(request, timeout=PAGE_TIMEOUT_S) as response:
+            return response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}: HTTP 404): is it "
+                                    "a mirror of the Neuron repository?") from exc
+        raise unreachable(index, page, f"HTTP {exc.code}") from exc
+    except (urllib.error.URLError, OSError) as exc:  # refused, unresolvable, TLS, timeout
+        raise unreachable(index, page, getattr(exc, "reason", exc)) from exc
+
+
+def file_version(name: str, filename: str) -> str | None:
+    """The version a wheel or sdist file name carries (None for another project's file or an unparsable name)."""
+    try:
+        if filename.endswith(".whl"):
+            project, version, _, _ = parse_wheel_filename(filename)
+        else:
+            project, version = parse_sdist_filename(filename)
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+    return str(version) if project == canonicalize_name(name) else None
+
+
+def offers(index: str, name: str) -> list[Offer]:
+    page = project_page(index, name)
+    parser = _Anchors()
+    parser.feed(read_page(index, name))
+    found = []
+    for href, yanked in parser.links:
+        url = urljoin(page, href)
+        version = file_version(name, unquote(urlparse(urldefrag(url).url).path.rsplit("/", 1)[-1]))
+        if version is not None:
+            found.append(Offer(name, version, url, yanked))
+    return found
+
+
+# --- the table's rows against what the repository offers
+
+
+def newer(a: str, b: str) -> bool:
+    try:
+        return Version(a) > Version(b)
+    except InvalidVersion:
+        return False
+
+
+def same_release(a: str | None, b: str | None) -> bool:
+    return release_part(a) == release_part(b)
+
+
+def torch_of(torch_neuronx: str | None) -> str | None:
+    """``2.8.0.2.12.22436`` -> ``2.8.0``: a torch-neuronx version is its torch version, then Neuron's."""
+    try:
+        return ".".join(str(p) for p in Version(torch_neuronx).release[:3]) if torch_neuronx else None
+    except InvalidVersion:
+        return None
+
+
+def release_key(name: str, version: str) -> Version:
+    """What orders a package's Neuron releases: torch-neuronx's Neuron part (``2.8.0.2.12.22436`` -> ``2.12.22436``,
+    so a torch 2.7 build of a newer release still counts as newer), the public version otherwise."""
+    parsed = Version(version)
+    if name == "torch-neuronx":
+        return Version(".".join(str(p) for p in parsed.release[3:]) or "0")
+    return Version(parsed.public)
+
+
+def row_versions(row: SdkRelease, torch: str) -> dict[str, str] | None:
+    """The row's exact version of each package, with torch's torch-neuronx build (None: no build for that torch)."""
+    build = row.torch_neuronx_for(torch)
+    if build is None:
+        return None
+    return {"torch-neuronx": build, "neuronx-cc": row.neuronx_cc, "neuronx-distributed": row.neuronx_distributed,
+            "libneuronxla": row.libneuronxla}
+
+
+def offered_version(available: list[Offer], version: str) -> str | None:
+    """The repository's spelling (build hash included) of ``version``, unless it is only offered yanked."""
+    matching = [o.version for o in available if not o.yanked and same_release(o.version, version)]
+    return max(matching, key=Version) if matching else None
+
+
+def offered_row(row: SdkRelease, torch: str, available: dict[str, list[Offer]]) -> dict[str, str] | None:
+    wanted = row_versions(row, torch)
+    if wanted is None:
+        return None
+    found = {name: offered_version(available[name], version) for name, version in wanted.items()}
+    return found if all(found.values()) else None
+
+
+def newest_first() -> list[SdkRelease]:
+    return sorted(neuron_sdk.RELEASES, key=lambda r: Version(r.release), reverse=True)
+
+
+def beyond_table(available: dict[str, list[Offer]]) -> list[str]:
+    """Versions newer than every row knows (pre-releases and yanked files aside, as pip leaves them aside)."""
+    found = []
+    for name, files in available.items():
+        known = max(release_key(name, v) for row in neuron_sdk.RELEASES for v in row.versions()[name])
+        versions = {o.version for o in files if not o.yanked and not Version(o.version).is_prerelease}
+        found += [f"{name} {v}" for v in sorted(versions, key=Version) if release_key(name, v) > known]
+    return found
+
+
+def plan(installed: dict[str, str | None], available: dict[str, list[Offer]], torch: str) -> Plan:
+    row = neuron_sdk.identify(installed)
+    result = Plan("current", torch, installed, row.release if row else None)
+    target = next(((r, v) for r in newest_first() if (v := offered_row(r, torch, available))), None)
+    if target:
+        result.target_release, result.target = target[0].release, target[1]
+    result.notes += torch_notes(result, available)
+    result.newer_than_table = beyond_table(available)
+    if result.newer_than_table:
+        result.status = "newer-than-table"
+    elif not any(installed.values()):
+        result.status = "missing"
+    elif row is None:
+        result.status = "mixed"
+        result.notes.append(neuron_sdk.mix_problem(installed))
+    elif target and Version(target[0].release) > Version(row.release):
+        result.status = "upgrade"
+    elif target and Version(target[0].release) < Version(row.release):
+        result.notes.append(f"the installed release {row.release} is newer than the newest the repository offers "
+                            f"completely ({target[0].release}): nothing to do")
+    return result
+
+
+def torch_notes(result: Plan, available: dict[str, list[Offer]]) -> list[str]:
+    """A newer release offered only for other torch versions is not a target: moving torch is a decision."""
+    floor = Version(result.target_release or result.installed_release or "0")
+    for row in newest_first():
+        if Version(row.release) <= floor:
+            break
+        others = [t for t in {torch_of(b) for b in row.torch_neuronx} if t and t != result.torch]
+        if any(offered_row(row, t, available) for t in others):
+            return [f"release {row.release} is offered only for torch {', '.join(sorted(others))}, not for torch "
+                    f"{result.torch} (the installed torch-neuronx's): --torch VERSION targets it, torch included"]
+    return []
+
+
+# --- pip
 
 
 def pip(python: str | None) -> list[str]:
@@ -67,109 +303,144 @@ def pip(python: str | None) -> list[str]:
     return base if python is None else [*base, "--python", python]
 
 
-def run_pip(python: str | None, args: list[str], what: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*pip(python), *args], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+def run_pip(python: str | None, args: list[str], what: str, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*pip(python), *args], capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
         raise UpgradeCheckError(f"{what} failed (pip exit {proc.returncode}):\n{tail}")
     return proc
 
 
-def installed_versions(python: str | None, packages: list[str]) -> dict[str, str | None]:
+def installed_versions(python: str | None, packages: tuple[str, ...] | list[str] = PACKAGES) -> dict[str, str | None]:
     listed = json.loads(run_pip(python, ["list", "--format", "json"], "listing the installed packages").stdout)
     found = {canonicalize_name(p["name"]): p["version"] for p in listed}
     return {name: found.get(canonicalize_name(name)) for name in packages}
 
 
-def newest_versions(python: str | None, packages: list[str], index_args: list[str]) -> dict[str, str]:
-    """What ``pip install`` would pick for each package now, ignoring what is installed (no dependencies)."""
+def only_the_neuron_index(index: str, empty_dir: str) -> dict[str, str]:
+    """pip's environment for choosing the Neuron files: no index or find-links but ``index``.
+
+    ``--index-url`` on the command line overrides pip.conf's and PIP_INDEX_URL, but pip.conf's extra-index-url and
+    find-links would still be added, and an empty PIP_* variable does not clear them (pip skips empty values); a
+    variable does override a config file (pip's docs, "Configuration": environment variables come after the files).
+    So extra-index-url is set to the Neuron index itself and find-links to an empty directory. Proxy, certificate
+    and timeout settings stay as configured.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_NO_INDEX", "PIP_CONSTRAINT", "PIP_REQUIREMENT")}
+    return {**env, "PIP_INDEX_URL": index, "PIP_EXTRA_INDEX_URL": index, "PIP_FIND_LINKS": empty_dir}
+
+
+def chosen_files(python: str | None, index: str, versions: dict[str, str], available: dict[str, list[Offer]]
+                 ) -> dict[str, str]:
+    """The file pip would install for each exact version (its platform tags decide between a release's wheels),
+    checked to be one of the Neuron repository's own files: package -> that file's URL."""
+    own = {unquote(urldefrag(o.url).url): o.url for files in available.values() for o in files}
     with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
         report = Path(tmp) / "report.json"
-        run_pip(python, ["install", "--dry-run", "--quiet", "--no-deps", "--ignore-installed", "--report",
-                         str(report), *index_args, *packages], "asking the package index for the newest versions")
+        run_pip(python, ["install", "--dry-run", "--no-deps", "--ignore-installed", "--index-url", index,
+                         "--report", str(report), *[f"{n}=={v}" for n, v in versions.items()]],
+                f"asking the Neuron repository {index} for the files of {', '.join(versions.values())}",
+                env=only_the_neuron_index(index, tmp))
         chosen = json.loads(report.read_text()).get("install", [])
-    versions = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"] for item in chosen}
-    missing = [p for p in packages if canonicalize_name(p) not in versions]
+    files = {}
+    for item in chosen:
+        name, url = canonicalize_name(item["metadata"]["name"]), unquote(urldefrag(item["download_info"]["url"]).url)
+        if url not in own:
+            raise UpgradeCheckError(f"pip chose {name} {item['metadata']['version']} from {url}, which is not a file "
+                                    f"of the Neuron repository {index}: nothing was installed")
+        files[name] = own[url]
+    missing = [n for n in versions if canonicalize_name(n) not in files]
     if missing:
-        raise UpgradeCheckError(f"pip's report names no version for {missing}")
-    return {p: versions[canonicalize_name(p)] for p in packages}
+        raise UpgradeCheckError(f"pip's report names no file for {missing}")
+    return {n: files[canonicalize_name(n)] for n in versions}
 
 
-def compare(installed: dict[str, str | None], newest: dict[str, str]) -> list[PackageStatus]:
-    statuses = []
-    for name, latest in newest.items():
-        have = installed.get(name)
-        if have is None:
-            status = "missing"
-        else:
-            try:
-                status = "upgrade" if Version(latest) > Version(have) else "current"
-            except InvalidVersion:
-                status = "current" if latest == have else "upgrade"
-        statuses.append(PackageStatus(name, have, latest, status))
-    return statuses
+def install(python: str | None, index: str, plan_: Plan, available: dict[str, list[Offer]]) -> None:
+    """Install the target release whole, each Neuron package from its file on the Neuron repository.
+
+    The four are direct references (``name @ url``, PEP 440), so pip takes them from that URL (or keeps the same
+    file installed) and asks no index for them: a project with an explicit URL requirement gets no candidates from
+    the finder (pip's resolver, resolution/resolvelib/factory.py ``_iter_found_candidates``), and any other
+    requirement on it must be satisfied by that file. Only their ordinary dependencies (torch, numpy, ...) resolve
+    through your pip settings, plus the Neuron repository for the runtime packages only it serves.
+    """
+    files = chosen_files(python, index, plan_.target, available)
+    print(f"installing release {plan_.target_release}: "
+          + " ".join(f"{n}=={v}" for n, v in plan_.target.items()), flush=True)
+    run_pip(python, ["install", "--upgrade-strategy", "only-if-needed", "--extra-index-url", index,
+                     *[f"{name} @ {url}" for name, url in files.items()]], "installing the release")
+    now = installed_versions(python)
+    wrong = {n: v for n, v in now.items() if not same_release(v, plan_.target[n])}
+    if wrong:
+        raise UpgradeCheckError(f"after installing release {plan_.target_release}, the environment has {wrong}")
 
 
-def table(statuses: list[PackageStatus]) -> str:
-    lines = [f"{'package':<22} {'installed':<22} {'newest':<22} status"]
-    for s in statuses:
-        lines.append(f"{s.name:<22} {s.installed or '(not installed)':<22} {s.newest:<22} {s.status}")
+# --- output and the command
+
+
+def table(result: Plan) -> str:
+    lines = [f"installed release: {result.installed_release or '(none of the table)'}    "
+             f"target release: {result.target_release or '(none offered)'}    torch: {result.torch}",
+             f"{'package':<22} {'installed':<26} {'target':<26} status"]
+    for p in result.packages():
+        lines.append(f"{p['name']:<22} {p['installed'] or '(not installed)':<26} {p['target'] or '-':<26} "
+                     f"{p['status']}")
     return "\n".join(lines)
 
 
-def index_arguments(args: argparse.Namespace) -> list[str]:
-    """The index options for pip: exactly those given, or (none given) pip's own plus the Neuron repository."""
-    if not (args.index_url or args.extra_index_url or args.find_links):
-        return ["--extra-index-url", NEURON_INDEX]
-    out = ["--index-url", args.index_url] if args.index_url else []
-    for url in args.extra_index_url or []:
-        out += ["--extra-index-url", url]
-    for link in args.find_links or []:
-        out += ["--find-links", link]
+def messages(result: Plan) -> list[str]:
+    out = list(result.notes)
+    if result.newer_than_table:
+        out.append(f"the Neuron repository offers {', '.join(result.newer_than_table)}, newer than every release in "
+                   "pipeline/backends/neuron_sdk.py's table: add the new release's row there (its versions are in "
+                   "Neuron's n2-manifest.json, aws-neuron/aws-neuron-sdk src/helperscripts) before upgrading; "
+                   "nothing is installed until then")
+    if result.status == "mixed" and result.target_release:
+        out.append(f"--apply replaces them with release {result.target_release}")
     return out
 
 
-def apply(python: str | None, statuses: list[PackageStatus], index_args: list[str], rebuild: str, cwd: str) -> int:
-    pins = [f"{s.name}=={s.newest}" for s in statuses if s.status != "current"]
-    print(f"installing {' '.join(pins)}", flush=True)
-    run_pip(python, ["install", *index_args, *pins], "installing the upgrades")
-    print(f"rebuilding: {rebuild}", flush=True)
-    return subprocess.run(shlex.split(rebuild), cwd=cwd).returncode
+def document(result: Plan, index: str) -> dict:
+    return {"status": result.status, "index": index, "torch": result.torch,
+            "installed": {"release": result.installed_release, "versions": result.installed},
+            "target": {"release": result.target_release, "versions": result.target},
+            "newer_than_table": result.newer_than_table, "notes": messages(result), "packages": result.packages()}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline check-upgrades", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--package", action="append", dest="packages",
-                        help=f"a package to check (repeatable; default: {', '.join(PACKAGES)})")
     parser.add_argument("--python", help="the interpreter of the environment to check (default: this one)")
-    parser.add_argument("--index-url", help="pip --index-url")
-    parser.add_argument("--extra-index-url", action="append", help="pip --extra-index-url, repeatable")
-    parser.add_argument("--find-links", action="append", help="pip --find-links, repeatable")
+    parser.add_argument("--neuron-index", default=NEURON_INDEX,
+                        help=f"the Neuron repository or a mirror of it, the only source of the Neuron packages "
+                             f"(default: {NEURON_INDEX})")
+    parser.add_argument("--torch", help="the torch version whose torch-neuronx build to target (default: the "
+                                        f"installed torch-neuronx's, else {PINNED_TORCH})")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
-    parser.add_argument("--apply", action="store_true", help="install the upgrades, then run the rebuild command")
+    parser.add_argument("--apply", action="store_true", help="install the target release, then run the rebuild command")
     parser.add_argument("--rebuild-command", default="dvc repro", help="run after --apply (default: dvc repro)")
     parser.add_argument("--cwd", default=".", help="where the rebuild command runs (default: here)")
     args = parser.parse_args(argv)
-    packages = args.packages or list(PACKAGES)
-    index_args = index_arguments(args)
     try:
-        statuses = compare(installed_versions(args.python, packages),
-                           newest_versions(args.python, packages, index_args))
+        installed = installed_versions(args.python)
+        available = {name: offers(args.neuron_index, name) for name in PACKAGES}
+        result = plan(installed, available, args.torch or torch_of(installed["torch-neuronx"]) or PINNED_TORCH)
     except (UpgradeCheckError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
         print(f"check-upgrades: {exc}", file=sys.stderr)
         return ERROR
-    outdated = any(s.status != "current" for s in statuses)
-    if args.json:
-        print(json.dumps({"status": "upgrade" if outdated else "current",
-                          "packages": [asdict(s) for s in statuses]}, indent=2))
-    else:
-        print(table(statuses))
-    if not outdated:
-        return UP_TO_DATE
-    if not args.apply:
-        return UPGRADE_AVAILABLE
+    print(json.dumps(document(result, args.neuron_index), indent=2) if args.json else table(result))
+    for message in messages(result):
+        print(f"check-upgrades: {message}", file=sys.stderr)
+    if result.status in ("missing", "mixed") and result.target_release is None:
+        print(f"check-upgrades: the Neuron repository {args.neuron_index} offers no complete release of the table "
+              f"for torch {result.torch}", file=sys.stderr)
+        return ERROR
+    if not args.apply or result.status in ("current", "newer-than-table"):
+        return result.exit_code
     try:
-        code = apply(args.python, statuses, index_args, args.rebuild_command, args.cwd)
+        install(args.python, args.neuron_index, result, available)
+        print(f"rebuilding: {args.rebuild_command}", flush=True)
+        code = subprocess.run(shlex.split(args.rebuild_command), cwd=args.cwd).returncode
     except (UpgradeCheckError, subprocess.TimeoutExpired, OSError) as exc:
         print(f"check-upgrades: {exc}", file=sys.stderr)
         return ERROR

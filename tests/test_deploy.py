@@ -56,11 +56,11 @@ def test_up_to_date_rebuilds_only_what_changed_and_pushes(tmp_path):
 
 
 def test_an_upgrade_is_applied_then_pushed(tmp_path):
-    status, ran, _ = rebuild(tmp_path, CHECK_STATUS="3", CHECK_ARGS="--index-url https://example.invalid/simple")
+    status, ran, _ = rebuild(tmp_path, CHECK_STATUS="3", CHECK_ARGS="--neuron-index https://example.invalid/simple")
     assert status == 0
     assert ran == ["dvc pull --allow-missing",
-                   "python -m pipeline check-upgrades --index-url https://example.invalid/simple",
-                   "python -m pipeline check-upgrades --apply --index-url https://example.invalid/simple",
+                   "python -m pipeline check-upgrades --neuron-index https://example.invalid/simple",
+                   "python -m pipeline check-upgrades --apply --neuron-index https://example.invalid/simple",
                    "dvc push"]
 
 
@@ -73,6 +73,7 @@ def test_check_only_reports_an_upgrade_and_builds_nothing(tmp_path):
 
 @pytest.mark.parametrize("env, expected_status, last_call", [
     ({"CHECK_STATUS": "1"}, 1, "python -m pipeline check-upgrades"),
+    ({"CHECK_STATUS": "4"}, 4, "python -m pipeline check-upgrades"),
     ({"CHECK_STATUS": "0", "REPRO_STATUS": "4"}, 4, "dvc repro"),
     ({"CHECK_STATUS": "3", "APPLY_STATUS": "1"}, 1, "python -m pipeline check-upgrades --apply"),
 ])

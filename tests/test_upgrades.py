@@ -1,4 +1,7 @@
-"""check-upgrades against a file:// simple index (PEP 503) of stand-in wheels, in a throwaway environment."""
+"""check-upgrades against file:// simple indexes (PEP 503) of stand-in wheels, in a throwaway environment.
+
+The stand-ins carry the real versions of pipeline/backends/neuron_sdk.py's rows; a "public" index beside the Neuron
+one plays PyPI, reaching pip as it does in production (pip.conf, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -14,9 +18,21 @@ from pathlib import Path
 import pytest
 
 from pipeline import upgrades
+from pipeline.backends import neuron_sdk
 
-OLD = {"neuronx-cc": "2.23.6484.0", "torch-neuronx": "2.8.0.2.10.16998", "neuronx-distributed": "0.17.26333"}
-NEW_NCC = "2.24.5133.0"
+# Build hashes (local versions), as Neuron's wheels carry them: f702b353 is 2.28.1's neuronx-cc; the rest stand-ins.
+HASHES = {"2.23.6484.0": "f702b353", "2.21.33363.0": "5f4c2a10", "2.8.0.2.12.22436": "b8c0a3d1",
+          "2.8.0.2.10.16998": "9e1d7c44", "2.24.8799.0": "0c3e9b72"}
+PLACEHOLDER = "1.0.post1"  # what PyPI serves as neuronx-cc, torch-neuronx, neuronx-distributed
+
+
+def hashed(version: str) -> str:
+    return f"{version}+{HASHES[version]}" if version in HASHES else version
+
+
+def row(release: str, torch: str = "2.8.0") -> dict[str, str]:
+    """The exact versions (build hashes included) of a release of the table, with torch's torch-neuronx build."""
+    return {name: hashed(v) for name, v in upgrades.row_versions(neuron_sdk.release(release), torch).items()}
 
 
 def wheel(directory: Path, name: str, version: str) -> Path:
@@ -56,6 +72,22 @@ def simple_index(root: Path, releases: dict[str, list[str]]) -> str:
     return (root / "simple").as_uri()
 
 
+def neuron_index(root: Path, releases: list[str], extra: dict[str, list[str]] | None = None) -> str:
+    """A stand-in Neuron repository offering whole rows of the table (every torch build) plus ``extra`` versions."""
+    offered: dict[str, list[str]] = {name: [] for name in neuron_sdk.PACKAGES}
+    for name, versions in (extra or {}).items():
+        offered[name] += versions
+    for release in releases:
+        for name, versions in neuron_sdk.release(release).versions().items():
+            offered[name] += [hashed(v) for v in versions if hashed(v) not in offered[name]]
+    return simple_index(root, offered)
+
+
+def public_index(root: Path, version: str) -> str:
+    """PyPI's stand-in: ``version`` of every Neuron package (placeholders, or a hostile higher upload)."""
+    return simple_index(root, {name: [version] for name in neuron_sdk.PACKAGES})
+
+
 @pytest.fixture
 def isolated_pip(monkeypatch):
     """pip sees only the indexes a test names (no user/site pip.conf, no find-links from the environment)."""
@@ -64,19 +96,20 @@ def isolated_pip(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-@pytest.fixture
-def env(tmp_path, isolated_pip) -> tuple[Path, str]:
-    """A new environment with the old Neuron stack installed from a local index; returns (python, index URL)."""
-    index = simple_index(tmp_path / "index", {
-        "neuronx-cc": [OLD["neuronx-cc"], NEW_NCC, "2.25.0.0rc1"],  # a pre-release is never chosen
-        "torch-neuronx": [OLD["torch-neuronx"]],
-        "neuronx-distributed": ["0.16.0", OLD["neuronx-distributed"]],
-    })
+def environment(tmp_path: Path, versions: dict[str, str]) -> str:
+    """A new environment with ``versions`` installed from an index of their own; returns its python."""
+    setup = simple_index(tmp_path / "setup", {name: [v] for name, v in versions.items()})
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True)
     python = str(tmp_path / "env" / "bin" / "python")
-    subprocess.run([*upgrades.pip(python), "install", "--quiet", "--index-url", index,
-                    *[f"{k}=={v}" for k, v in OLD.items()]], check=True, capture_output=True)
-    return python, index
+    subprocess.run([*upgrades.pip(python), "install", "--quiet", "--index-url", setup,
+                    *[f"{k}=={v}" for k, v in versions.items()]], check=True, capture_output=True)
+    return python
+
+
+@pytest.fixture
+def env(tmp_path, isolated_pip) -> str:
+    """An environment with release 2.26.1 installed (torch 2.8.0's torch-neuronx build)."""
+    return environment(tmp_path, row("2.26.1"))
 
 
 def check(python: str, *args: str) -> subprocess.CompletedProcess:
@@ -84,53 +117,130 @@ def check(python: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-def test_an_upgrade_is_found_then_applied_then_the_stack_is_current(env, tmp_path):
-    python, index = env
-    found = check(python, "--index-url", index, "--json")
+def rebuild_marker(tmp_path: Path) -> tuple[Path, str]:
+    marker = tmp_path / "rebuilt"
+    return marker, f"{sys.executable} -c \"open('{marker}', 'w').write('yes')\""
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_upgrade_applies_a_whole_release_then_the_stack_is_current(env, tmp_path):
+    # 2.29.1 is offered whole but only for torch 2.9; a pre-release of neuronx-cc is never a release.
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1", "2.29.1"], {"neuronx-cc": ["2.25.0.0rc1"]})
+    found = check(env, "--neuron-index", index, "--json")
     assert found.returncode == upgrades.UPGRADE_AVAILABLE, found.stderr
     report = json.loads(found.stdout)
-    assert report["status"] == "upgrade"
-    assert {p["name"]: (p["installed"], p["newest"], p["status"]) for p in report["packages"]} == {
-        "neuronx-cc": (OLD["neuronx-cc"], NEW_NCC, "upgrade"),
-        "torch-neuronx": (OLD["torch-neuronx"], OLD["torch-neuronx"], "current"),
-        "neuronx-distributed": (OLD["neuronx-distributed"], OLD["neuronx-distributed"], "current"),
-    }
-    marker = tmp_path / "rebuilt"
-    rebuild = f"{sys.executable} -c \"open('{marker}', 'w').write('yes')\""
-    applied = check(python, "--index-url", index, "--apply", "--rebuild-command", rebuild)
+    assert report["status"] == "upgrade" and report["torch"] == "2.8.0"
+    assert report["installed"] == {"release": "2.26.1", "versions": row("2.26.1")}
+    assert report["target"] == {"release": "2.28.1", "versions": row("2.28.1")}
+    assert {p["name"]: p["status"] for p in report["packages"]} == dict.fromkeys(neuron_sdk.PACKAGES, "upgrade")
+    assert "release 2.29.1 is offered only for torch 2.9.0" in found.stderr
+    marker, rebuild = rebuild_marker(tmp_path)
+    applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
     assert applied.returncode == upgrades.UP_TO_DATE, applied.stdout + applied.stderr
-    assert f"installing neuronx-cc=={NEW_NCC}" in applied.stdout and marker.read_text() == "yes"
-    assert upgrades.installed_versions(python, ["neuronx-cc"]) == {"neuronx-cc": NEW_NCC}
+    assert "installing release 2.28.1" in applied.stdout and marker.read_text() == "yes"
+    assert upgrades.installed_versions(env) == row("2.28.1")  # every package of the row, none ahead (2.24.8799.0)
     assert upgrades.installed_versions(None, ["neuronx-cc"]) == {"neuronx-cc": None}  # this environment untouched
-    again = check(python, "--index-url", index)
+    again = check(env, "--neuron-index", index)
     assert again.returncode == upgrades.UP_TO_DATE, again.stderr
-    assert "neuronx-cc" in again.stdout and "upgrade" not in again.stdout
+    assert "target release: 2.28.1" in again.stdout and "upgrade" not in again.stdout
 
 
-def test_a_missing_package_counts_as_an_upgrade(env, tmp_path):
-    python, index = env
-    subprocess.run([*upgrades.pip(python), "uninstall", "--yes", "--quiet", "torch-neuronx"], check=True)
-    result = check(python, "--index-url", index)
-    assert result.returncode == upgrades.UPGRADE_AVAILABLE
-    assert "(not installed)" in result.stdout and "missing" in result.stdout
+def test_one_package_of_a_newer_release_is_not_an_upgrade(env, tmp_path):
+    index = neuron_index(tmp_path / "neuron", ["2.26.1"], {"neuronx-cc": [hashed("2.23.6484.0")]})
+    result = check(env, "--neuron-index", index, "--apply", "--rebuild-command", "false")
+    assert result.returncode == upgrades.UP_TO_DATE, result.stderr
+    assert upgrades.installed_versions(env) == row("2.26.1")
 
 
-def test_an_unreadable_index_or_unknown_package_is_an_error(env, tmp_path):
-    python, index = env
-    gone = check(python, "--index-url", (tmp_path / "nowhere").as_uri())
-    assert gone.returncode == upgrades.ERROR and "asking the package index" in gone.stderr
-    unknown = check(python, "--index-url", index, "--package", "neuronx-nothing")
-    assert unknown.returncode == upgrades.ERROR and "neuronx-nothing" in unknown.stderr
+@pytest.mark.parametrize("where", ["missing directory", "closed port"])
+def test_an_unreachable_neuron_repository_is_an_error_naming_it(env, tmp_path, where):
+    index = (tmp_path / "nowhere").as_uri() if where == "missing directory" else f"http://127.0.0.1:{closed_port()}/"
+    marker, rebuild = rebuild_marker(tmp_path)
+    result = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
+    assert result.returncode == upgrades.ERROR
+    assert f"the Neuron repository {index} does not answer" in result.stderr and "network access" in result.stderr
+    assert upgrades.installed_versions(env) == row("2.26.1") and not marker.exists()
 
 
-def test_a_failed_rebuild_is_an_error(env):
-    python, index = env
-    result = check(python, "--index-url", index, "--apply", "--rebuild-command", f"{sys.executable} -c 'exit(4)'")
+def test_public_placeholders_are_never_reported_or_installed(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", public_index(tmp_path / "public", PLACEHOLDER))
+    gone = (tmp_path / "nowhere").as_uri()
+    for args in ([], ["--json"], ["--apply", "--rebuild-command", "true"]):
+        result = check(env, "--neuron-index", gone, *args)
+        assert result.returncode == upgrades.ERROR and gone in result.stderr
+        assert PLACEHOLDER not in result.stdout + result.stderr
+    assert upgrades.installed_versions(env) == row("2.26.1")
+
+
+def test_a_higher_public_version_loses_to_the_neuron_repository(env, tmp_path, monkeypatch):
+    # The dependency-confusion set-up: pip.conf reads PyPI first and the Neuron repository as an extra index, and
+    # PyPI serves 99.0 of every Neuron package. pip alone would install 99.0 (no priority between indexes).
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"])
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nindex-url = {public_index(tmp_path / 'public', '99.0')}\nextra-index-url = {index}\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"{index} {public_index(tmp_path / 'public2', '98.0')}")
+    found = check(env, "--neuron-index", index, "--json")
+    assert found.returncode == upgrades.UPGRADE_AVAILABLE, found.stderr
+    assert json.loads(found.stdout)["target"] == {"release": "2.28.1", "versions": row("2.28.1")}
+    assert "99.0" not in found.stdout and "98.0" not in found.stdout
+    applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", "true")
+    assert applied.returncode == upgrades.UP_TO_DATE, applied.stdout + applied.stderr
+    assert upgrades.installed_versions(env) == row("2.28.1")
+
+
+def test_a_release_newer_than_the_table_is_reported_and_nothing_installed(env, tmp_path):
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"], {"neuronx-cc": ["2.25.1234.0+7d2e9a01"]})
+    marker, rebuild = rebuild_marker(tmp_path)
+    for args in ([], ["--apply", "--rebuild-command", rebuild]):
+        result = check(env, "--neuron-index", index, *args)
+        assert result.returncode == upgrades.TABLE_BEHIND, result.stderr
+        assert "offers neuronx-cc 2.25.1234.0+7d2e9a01, newer than every release" in result.stderr
+        assert "pipeline/backends/neuron_sdk.py" in result.stderr and "n2-manifest.json" in result.stderr
+    report = json.loads(check(env, "--neuron-index", index, "--json").stdout)
+    assert report["status"] == "newer-than-table" and report["newer_than_table"] == ["neuronx-cc 2.25.1234.0+7d2e9a01"]
+    assert upgrades.installed_versions(env) == row("2.26.1") and not marker.exists()
+
+
+def test_a_mixed_stack_is_an_error_that_apply_repairs_and_nothing_installed_is_an_upgrade(env, tmp_path):
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"])
+    subprocess.run([*upgrades.pip(env), "install", "--quiet", "--no-deps", "--index-url", index,
+                    f"neuronx-cc=={hashed('2.23.6484.0')}"], check=True)
+    mixed = check(env, "--neuron-index", index)
+    assert mixed.returncode == upgrades.ERROR
+    assert "not one Neuron SDK release" in mixed.stderr and "--apply replaces them with release 2.28.1" in mixed.stderr
+    repaired = check(env, "--neuron-index", index, "--apply", "--rebuild-command", "true")
+    assert repaired.returncode == upgrades.UP_TO_DATE, repaired.stderr
+    assert upgrades.installed_versions(env) == row("2.28.1")
+    subprocess.run([*upgrades.pip(env), "uninstall", "--yes", "--quiet", *neuron_sdk.PACKAGES], check=True)
+    missing = check(env, "--neuron-index", index)
+    assert missing.returncode == upgrades.UPGRADE_AVAILABLE and "(not installed)" in missing.stdout
+
+
+def test_a_failed_rebuild_is_an_error(env, tmp_path):
+    index = neuron_index(tmp_path / "neuron", ["2.28.1"])
+    result = check(env, "--neuron-index", index, "--apply", "--rebuild-command", f"{sys.executable} -c 'exit(4)'")
     assert result.returncode == upgrades.ERROR and "exited with 4" in result.stderr
 
 
-def test_index_arguments_default_to_the_neuron_repository():
-    args = type("Args", (), {"index_url": None, "extra_index_url": None, "find_links": None})
-    assert upgrades.index_arguments(args) == ["--extra-index-url", "https://pip.repos.neuron.amazonaws.com"]
-    args.index_url, args.find_links = "https://mirror/simple", ["/wheels"]
-    assert upgrades.index_arguments(args) == ["--index-url", "https://mirror/simple", "--find-links", "/wheels"]
+def test_a_page_is_read_as_pip_reads_it_and_newer_builds_count_by_their_neuron_part(tmp_path):
+    page = tmp_path / "simple" / "neuronx-cc"
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(
+        '<a href="../../files/neuronx_cc-2.23.6484.0%2Bf702b353-cp311-cp311-linux_x86_64.whl#sha256=00">w</a>\n'
+        '<a href="neuronx_cc-2.24.5133.0.tar.gz" data-yanked="broken">s</a>\n<a href="other_pkg-9.0.tar.gz">o</a>\n')
+    found = upgrades.offers((tmp_path / "simple").as_uri(), "neuronx-cc")
+    assert [(o.version, o.yanked) for o in found] == [("2.23.6484.0+f702b353", False), ("2.24.5133.0", True)]
+    assert found[0].url == (tmp_path / "files").as_uri() + "/neuronx_cc-2.23.6484.0%2Bf702b353-cp311-cp311-" \
+                                                           "linux_x86_64.whl#sha256=00"
+    newest = neuron_sdk.RELEASES[-1]
+    available = {name: [upgrades.Offer(name, v, "u") for v in vs] for name, vs in newest.versions().items()}
+    assert upgrades.beyond_table(available) == []
+    available["torch-neuronx"].append(upgrades.Offer("torch-neuronx", "2.7.0.2.14.1", "u"))  # torch 2.7, Neuron 2.14
+    assert upgrades.beyond_table(available) == ["torch-neuronx 2.7.0.2.14.1"]
+
