@@ -3,7 +3,8 @@
 Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py),
 ``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py),
 ``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/schedule.py: many variants at once, memory permitting) and
-``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: newer Neuron compiler packages?) and
+``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: a newer Neuron SDK release on the Neuron
+repository?) and
 ``python -m pipeline neuron-check`` (pipeline/neuron_check.py: the first run on an inf2 host, every layout).
 
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
