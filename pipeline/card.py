@@ -13,25 +13,47 @@ def _cell(value: Any, fmt: str = "{}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
+HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | files | backend / compiler | tok/s | first token ms "
+          "| parity | signed |\n" + "|---" * 12 + "|")
+
+
 def _row(m: dict) -> str:
     v, val = m["variant"], m.get("validation", {})
     tput, parity = val.get("throughput", {}), val.get("parity", {})
     parity_text = "–" if not parity else f"{'pass' if parity.get('passed') else 'FAIL'} ({parity.get('mode')})"
+    files = ", ".join(f"`{member['path']}`" for member in m["members"])
     return (f"| `{m['version']}` | {v['kv_max']} | {v['bucket']} | {v['dtype']} | {v['prefill']} | {v['tp_degree']} "
-            f"| {m['backend']} `{m['compiler']['id']}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
-            f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} |")
+            f"| {files} | {m['backend']} `{m['compiler']['id']}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
+            f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.get('signature') else 'no'} |")
 
 
-def render(manifests: list[dict], repo_id: str) -> str:
-    """The full README.md for ``manifests`` (one per published version)."""
+def usage(example: dict | None, source: str) -> str:
+    """The commands that pull and run ``example``, exactly as they apply to it: its source, its own files, and a
+    public key only if it is signed."""
+    if example is None:
+        return "No version is published yet."
+    verify = ("--public-key PUBLISHER-KEY.pub.pem" if example.get("signature")
+              else "--allow-unsigned   # this version is not signed")
+    return f"""```bash
+python -m pipeline pull {source} {example['version']} --dest /workspace {verify}
+python -m pipeline generate /workspace/{example['archive']['root']} --checkpoint /data/gemma-4-E4B-it \\
+    --prompt "What is the capital of France?"
+```
+
+`pull {source} {example['variant']['name']}` takes the newest published version of that variant instead (it says
+which). `{example['version']}` unpacks to `/workspace/{example['archive']['root']}/` holding
+{', '.join(f"`{member['path']}`" for member in example['members'])}."""
+
+
+def render(manifests: list[dict], repo_id: str, source: str | None = None) -> str:
+    """The full README.md for ``manifests`` (one per published version); ``source`` is where ``pull`` finds them
+    (the Hub repo id, or a local publish folder; default ``repo_id``)."""
     manifests = sorted(manifests, key=lambda m: (m["variant"]["name"], m["version"]))
     base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None)
     if base is None:
         return demo_card(manifests, repo_id)
     rows = "\n".join(_row(m) for m in manifests)
     example = manifests[-1] if manifests else None
-    version = example["version"] if example else "VERSION"
-    root = example["archive"]["root"] if example else "MODEL-VERSION"
     return f"""---
 license: apache-2.0
 base_model: {base}
@@ -50,17 +72,18 @@ tags:
 
 Compiled artifacts of [`{base}`](https://huggingface.co/{base}) for Inferentia2, built, validated and published by
 the gemma4-neuron-pipeline. Every version is one variant (KV cache length, prefill bucket, dtype, prefill mode)
-built with one compiler, tagged `<variant>-<compiler>`. Each version folder holds the archive of its compiled files,
-its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain, source revision, and the
-`layout`) and its `metrics.json` (parity against the float reference, throughput). Host-prefill versions (layout
-`per_rank`) hold one file per NeuronCore, `tp_0.pt` and `tp_1.pt`, made by neuronx-distributed's
-`parallel_model_trace`; device-prefill versions (layout `nxd_model`) hold one `model.pt`, the ModelBuilder executor
-with the prefill and decode graphs and every rank's weights.
+built with one compiler from one set of inputs, tagged `<variant>-<compiler>-<inputs>`: the last part is a digest of
+everything that decides the files' bytes (checkpoint, recipe code, compiler and its arguments), so a rebuild from other
+inputs is a new version and a published version never changes. Each version folder holds the archive of its compiled
+files, its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain, source revision, and
+the `layout`) and its `metrics.json` (parity against the float reference, throughput). The files column says what
+each archive holds: one file per NeuronCore (`tp_0.pt`, `tp_1.pt`: layout `per_rank`, neuronx-distributed's
+`parallel_model_trace`), or one `model.pt` (layout `nxd_model`, the ModelBuilder executor with the prefill and
+decode graphs and every rank's weights).
 
 ## Versions
 
-| version | kv_max | bucket | dtype | prefill | tp | backend / compiler | tok/s | first token ms | parity |
-|---|---|---|---|---|---|---|---|---|---|
+{HEADER}
 {rows}
 
 Throughput is measured on the hardware named in each `metrics.json`; cpu-backend rows come from the reference
@@ -71,18 +94,14 @@ backend, not from Inferentia2.
 With a checkout of the pipeline (on an inf2 host, with its `[neuron]` extra) and the base checkpoint, which supplies
 the tokenizer and the embedding tables the host looks up:
 
-```bash
-python -m pipeline pull {repo_id} {version} --dest /workspace --public-key signing-key.pub.pem
-python -m pipeline generate /workspace/{root} --checkpoint /data/gemma-4-E4B-it \\
-    --prompt "What is the capital of France?"
-```
+{usage(example, source or repo_id)}
 
 `pull` resolves the tag to a commit once, downloads the manifest, its signature and the archive at that commit,
-verifies every checksum (and the signature), unpacks the files into a directory holding nothing else and prints its
-path. neuronx-distributed loads it as it is: `parallel_model_load(dir)` for `per_rank`, or `torch.jit.load(dir +
-"/model.pt")` then `.nxd_model.initialize_with_saved_weights(torch.tensor(0))` for `nxd_model`. `generate`
-verifies it again against the manifest beside it and runs it. Pin the commit, not the tag, if you copy files by hand:
-tags can be moved.
+verifies every checksum (and the signature, with the publisher's public key), unpacks the files into a directory
+holding nothing else and prints its path. neuronx-distributed loads it as it is: `parallel_model_load(dir)` for
+`per_rank`, or `torch.jit.load(dir + "/model.pt")` then `.nxd_model.initialize_with_saved_weights(torch.tensor(0))`
+for `nxd_model`. `generate` verifies it again against the manifest beside it and runs it. Versions are never moved
+once published; if you copy files by hand, pin the commit all the same.
 
 ## License
 
@@ -111,7 +130,6 @@ exercise the publishing path. They generate no useful text and must not be serve
 
 ## Versions
 
-| version | kv_max | bucket | dtype | prefill | tp | backend / compiler | tok/s | first token ms | parity |
-|---|---|---|---|---|---|---|---|---|---|
+{HEADER}
 {rows}
 """

@@ -263,7 +263,6 @@ class PublishConfig:
     local_dir: str = "published"
     """For ``target=local``: the folder laid out as the Hub repo would be (relative to ``artifacts_dir``)."""
     private: bool = True
-    overwrite: bool = False
     retries: int = 5
     """Attempts of the publish step on conflicts (409/412) and transient failures (5xx, connection errors)."""
     retry_base_s: float = 1.0

@@ -5,7 +5,7 @@ the ranks through the backend that built them, and greedy-decodes a chat prompt 
 for host-prefill variants, the host prefill) taken from the original checkpoint. Prints the reply on standard output
 and the timing on standard error.
 
-    python -m pipeline generate /workspace/gemma4_e4b-512_bf16-ncc2.23.6484.0 \\
+    python -m pipeline generate /workspace/gemma4_e4b-512_bf16-ncc2.23.6484.0-1f0c9a7e \\
         --checkpoint /data/gemma-4-E4B-it --prompt "What is the capital of France?"
 """
 

@@ -1,14 +1,16 @@
 """``python -m pipeline pull SOURCE VERSION``: fetch a published version, verify it, unpack it for serving.
 
-SOURCE is a local publish folder (``publish=local``'s git repository) or a Hugging Face repo id. The version's tag
-is resolved to a commit once, and every file is fetched at that commit, so a tag moved meanwhile cannot mix two
-versions. The manifest is schema-checked and (with ``--public-key``) its signature verified; the archive's sha256 and
-every member's are checked; the rank files are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing
-else, ready for neuronx-distributed's loaders (``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for
-ModelBuilder's ``model.pt``). Its path is printed on standard output.
+SOURCE is a local publish folder (``publish=local``'s git repository) or a Hugging Face repo id. VERSION is a published
+version (``<variant>-<compiler>-<inputs>``), or a variant's name, which resolves to the newest published version of that
+variant (the one the repository's head holds; the log says which). The version's tag is resolved to a commit once, and
+every file is fetched at that commit, so a tag moved meanwhile cannot mix two versions. The manifest is schema-checked
+and (with ``--public-key``) its signature verified; the archive's sha256 and every member's are checked; the rank files
+are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing else, ready for neuronx-distributed's loaders
+(``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for ModelBuilder's ``model.pt``). Its path is printed
+on standard output.
 
-    python -m pipeline pull artifacts/published 512_bf16-cpu-torch2.13.0 --dest /workspace
-    python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0 --dest /workspace \\
+    python -m pipeline pull artifacts/published 512_bf16 --dest /workspace --allow-unsigned
+    python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0-1f0c9a7e --dest /workspace \\
         --public-key signing-key.pub.pem
 """
 
@@ -38,11 +40,11 @@ class LocalSource:
         self.repo = LocalRepo(path)
         self.name = str(path)
 
-    def resolve(self, version: str) -> str:
-        commit = self.repo.tag_commit(version)
-        if commit is None:
-            raise PipelineError(f"{self.name} has no version {version!r}; it has {sorted(self.repo.tags())}")
-        return commit
+    def tags(self) -> dict[str, str]:
+        return self.repo.tags()
+
+    def head(self) -> str:
+        return self.repo.head()
 
     def files(self, commit: str) -> list[str]:
         return self.repo.list_files(commit)
@@ -61,12 +63,11 @@ class HubSource:
 
         self.api, self.repo_id, self.name = HfApi(endpoint=endpoint(), token=get_token()), repo_id, repo_id
 
-    def resolve(self, version: str) -> str:
-        refs = self.api.list_repo_refs(self.repo_id)
-        for tag in refs.tags:
-            if tag.name == version:
-                return tag.target_commit
-        raise PipelineError(f"{self.repo_id} has no version {version!r}; it has {sorted(t.name for t in refs.tags)}")
+    def tags(self) -> dict[str, str]:
+        return {tag.name: tag.target_commit for tag in self.api.list_repo_refs(self.repo_id).tags}
+
+    def head(self) -> str:
+        return self.api.repo_info(self.repo_id).sha
 
     def files(self, commit: str) -> list[str]:
         return self.api.list_repo_files(self.repo_id, revision=commit)
@@ -86,8 +87,27 @@ def source_for(spec: str):
     return LocalSource(path) if path.exists() else HubSource(spec)
 
 
+def resolve(source, name: str, work: Path) -> tuple[str, str]:
+    """``(version, commit)`` for ``name``: a published version, or a variant's name, which stands for the newest
+    published version of that variant: the one the repository's head holds (each publish commits its variant's
+    folder, so the head has the latest of each)."""
+    tags = source.tags()
+    if name in tags:
+        return name, tags[name]
+    if any(tag.startswith(name + "-") for tag in tags):
+        head = source.head()
+        if f"{name}/manifest.json" in source.files(head):
+            source.fetch(head, f"{name}/manifest.json", work / "head-manifest.json")
+            version = manifest_mod.load(work / "head-manifest.json")["version"]
+            (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
+            if version in tags:
+                log.info("pull: %s resolves to %s, the newest published version of that variant", name, version)
+                return version, tags[version]
+    raise PipelineError(f"{source.name} has no version or variant {name!r}; its versions are {sorted(tags)}")
+
+
 def variant_folder(files: list[str], version: str) -> str:
-    """The folder holding ``version``: versions are ``<variant>-<compiler>`` and live under ``<variant>/``."""
+    """The folder holding ``version``: versions are ``<variant>-<compiler>-<inputs>`` and live under ``<variant>/``."""
     folders = {f.split("/")[0] for f in files if f.endswith("/manifest.json")}
     matches = [v for v in folders if version.startswith(v + "-")]
     if len(matches) != 1:
@@ -95,14 +115,15 @@ def variant_folder(files: list[str], version: str) -> str:
     return matches[0]
 
 
-def pull(source, version: str, dest: Path, public_key: str | None, allow_unsigned: bool) -> Path:
-    commit = source.resolve(version)  # once: every file below comes from this commit
-    files = source.files(commit)
-    folder = variant_folder(files, version)
+def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool) -> Path:
+    """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    with (reporting_full_disk(dest, f"pull {version}"),
+    with (reporting_full_disk(dest, f"pull {name}"),
           tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
         work = Path(tmp)
+        version, commit = resolve(source, name, work)  # once: every file below comes from this commit
+        files = source.files(commit)
+        folder = variant_folder(files, version)
         source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")
         manifest = manifest_mod.load(work / "manifest.json")
         if manifest["version"] != version:
@@ -129,7 +150,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline pull", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
-    parser.add_argument("version", help="a published version, <variant>-<compiler>")
+    parser.add_argument("version", help="a published version (<variant>-<compiler>-<inputs>), or a variant's name for "
+                                        "its newest published version")
     parser.add_argument("--dest", type=Path, default=Path("."), help="where the rank directory is created")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")

@@ -256,4 +256,5 @@ def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing
     assert set(ran(upgraded)) == expected
     tags = subprocess.run(["git", "tag"], cwd=neuron_repo / "artifacts" / "published", capture_output=True,
                           text=True, check=True).stdout.split()
-    assert sorted(tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS for c in ("2.23.6484.0", "2.24.5133.0"))
+    assert sorted(t.rsplit("-", 1)[0] for t in tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS
+                                                                for c in ("2.23.6484.0", "2.24.5133.0"))

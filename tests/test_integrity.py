@@ -333,13 +333,17 @@ def test_unknown_formats_and_unreadable_keys_are_refused_by_name(tmp_path):
 
 # -- pull ------------------------------------------------------------------------------------------------------------
 
+def published_version(project: Path) -> str:
+    return manifest_mod.load(Paths(project, "gemma4_tiny", "512_fp32").manifest)["version"]
+
+
 def pull_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", "pull", *args], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent, timeout=300)
 
 
 def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path, keys):
-    version = f"512_fp32-{CPU_COMPILER}"
+    version = published_version(signed_project)
     proc = pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key", keys[1])
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())
@@ -351,17 +355,21 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
     assert again.returncode == 0 and Path(again.stdout.strip()) == path  # idempotent
     # No downloads left behind; the manifest sits beside the rank directory, not in it.
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".manifest.json"]
+    by_variant = pull_cli(str(signed_project / "published"), "512_fp32", "--dest", str(tmp_path), "--public-key",
+                          keys[1])
+    assert by_variant.returncode == 0 and Path(by_variant.stdout.strip()) == path, by_variant.stderr
+    assert f"512_fp32 resolves to {version}, the newest published version of that variant" in by_variant.stderr
 
 
 def test_pull_refuses_wrong_keys_unknown_versions_and_foreign_directories(signed_project, tmp_path, keys):
-    repo, version = str(signed_project / "published"), f"512_fp32-{CPU_COMPILER}"
+    repo, version = str(signed_project / "published"), published_version(signed_project)
     wrong = pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[2])
     assert wrong.returncode == 1 and "Key mismatch" in wrong.stderr
     unsigned = pull_cli(repo, version, "--dest", str(tmp_path))
     assert unsigned.returncode == 1 and "is signed but no public key was given" in unsigned.stderr
     unknown = pull_cli(repo, "512_fp32-ncc9", "--dest", str(tmp_path), "--public-key", keys[1])
-    assert unknown.returncode == 1 and "has no version '512_fp32-ncc9'" in unknown.stderr
-    assert f"512_fp32-{CPU_COMPILER}" in unknown.stderr
+    assert unknown.returncode == 1 and "has no version or variant '512_fp32-ncc9'" in unknown.stderr
+    assert version in unknown.stderr
     occupied = tmp_path / f"gemma4_tiny-{version}"
     occupied.mkdir()
     (occupied / "tp_0.pt").write_bytes(b"something else")
@@ -374,14 +382,14 @@ def test_pull_through_python_rejects_a_tag_to_the_wrong_manifest(signed_project,
     from pipeline.pull import LocalSource, pull
 
     source = LocalSource(signed_project / "published")
-    commit = source.resolve(f"512_fp32-{CPU_COMPILER}")
-    source.repo.tag("512_fp32-cpu-torch9.9.9", commit)  # a tag that does not name what it points at
-    with pytest.raises(PipelineError, match="describes '512_fp32-cpu-torch2.13.0', not '512_fp32-cpu-torch9.9.9'"):
-        pull(source, "512_fp32-cpu-torch9.9.9", tmp_path, keys[1], False)
+    version = published_version(signed_project)
+    source.repo.tag("512_fp32-cpu-torch9.9.9-00000000", source.tags()[version])  # names another version
+    with pytest.raises(PipelineError, match=f"describes '{version}', not '512_fp32-cpu-torch9.9.9-00000000'"):
+        pull(source, "512_fp32-cpu-torch9.9.9-00000000", tmp_path, keys[1], False)
 
 
 def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_project, tmp_path, keys):
-    version = f"512_fp32-{CPU_COMPILER}"
+    version = published_version(signed_project)
     pulled = Path(pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key",
                            keys[1]).stdout.strip())
     weights = signed_project / "gemma4_tiny" / "weights"
@@ -406,3 +414,25 @@ def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_projec
     (pulled / "tp_1.pt").write_bytes(b"tampered")
     bad = subprocess.run(generate, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "rank file" in bad.stderr and "the manifest says" in bad.stderr
+
+
+def test_the_cards_usage_block_applies_to_the_version_it_shows(signed_project):
+    """The card's commands name the source the version is pulled from, a public key only for a signed version, and
+    the files its archive really holds (a device-prefill cpu build holds tp_N.pt, not model.pt)."""
+    from pipeline.card import render
+
+    version = published_version(signed_project)
+    shown = subprocess.run(["git", "show", f"{version}:512_fp32/manifest.json"], cwd=signed_project / "published",
+                           capture_output=True, text=True, check=True).stdout
+    signed = json.loads(shown)
+    assert signed["signature"] == {"file": "manifest.sig"}
+    real = signed | {"model": signed["model"] | {"hub_id": "google/gemma-4-E4B-it"}}
+    card = render([real], "org/gemma-4-E4B-it-inferentia2", "/srv/published")
+    assert f"python -m pipeline pull /srv/published {version} --dest /workspace --public-key" in card
+    assert f"/workspace/{signed['archive']['root']}/` holding `tp_0.pt`, `tp_1.pt`" in " ".join(card.split())
+    row = next(line for line in card.splitlines() if line.startswith(f"| `{version}`"))
+    assert "| `tp_0.pt`, `tp_1.pt` |" in row and row.endswith("| yes |")
+    unsigned = render([{k: v for k, v in real.items() if k != "signature"}], "org/gemma-4-E4B-it-inferentia2")
+    assert (f"python -m pipeline pull org/gemma-4-E4B-it-inferentia2 {version} --dest /workspace --allow-unsigned"
+            in unsigned)
+    assert "--public-key" not in unsigned

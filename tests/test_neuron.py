@@ -415,7 +415,7 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["model.pt"], out.stderr[-3000:]
     assert not any(p.name.startswith("compile-") for p in variant_dir.iterdir())  # work files removed on success
     manifest = _manifest(root, "512_fp32")
-    assert manifest["layout"] == "nxd_model" and manifest["version"] == "512_fp32-ncc2.23.6484.0"
+    assert manifest["layout"] == "nxd_model" and manifest["version"].startswith("512_fp32-ncc2.23.6484.0-")
     assert manifest["variant"]["tp_degree"] == 2
     assert manifest["compiler"]["args"] == FP32_ARGS
     assert manifest["compiler"]["versions"]["neuronx-cc"].startswith("2.23.6484.0+")  # with the build hash

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from pipeline import manifest as manifest_mod
 from pipeline.fsutil import sha256_file
+from pipeline.stages.package import version_name
 
 from .helpers import CPU_COMPILER
 
@@ -41,7 +43,9 @@ def test_every_stage_ran_and_left_its_outputs(built):
     manifest = manifest_mod.load(vdir / "dist" / "manifest.json")
     archive = vdir / "dist" / manifest["archive"]["name"]
     assert sha256_file(archive) == manifest["archive"]["sha256"]
-    assert manifest["version"] == f"{VARIANT}-{CPU_COMPILER}"
+    build = json.loads((vdir / "build.json").read_text())
+    assert manifest["version"] == version_name(VARIANT, CPU_COMPILER, build["fingerprint"], "tar.zst")
+    assert re.fullmatch(rf"{VARIANT}-{re.escape(CPU_COMPILER)}-[0-9a-f]{{8}}", manifest["version"])
     assert [m["path"] for m in manifest["members"]] == ["tp_0.pt", "tp_1.pt"]
     metrics = json.loads((vdir / "metrics.json").read_text())
     assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"] is True
@@ -68,7 +72,7 @@ def test_the_published_repo_holds_the_version(built):
     root, _ = built
     repo = root / "published"
     tags = subprocess.run(["git", "tag"], cwd=repo, capture_output=True, text=True).stdout.split()
-    assert tags == [f"{VARIANT}-{CPU_COMPILER}"]
+    assert tags == [manifest_mod.load(root / "gemma4_tiny" / VARIANT / "dist" / "manifest.json")["version"]]
     files = subprocess.run(["git", "ls-tree", "-r", "--name-only", tags[0]], cwd=repo, capture_output=True,
                            text=True).stdout.split()
     assert "README.md" in files and f"{VARIANT}/manifest.json" in files and f"{VARIANT}/metrics.json" in files

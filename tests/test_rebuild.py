@@ -73,7 +73,8 @@ def _tags(root: Path) -> list[str]:
 def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     cfg = config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]")
     run(cfg)
-    first = "512_fp32-cpu-torch2.13.0"
+    manifest_path = tmp_path / "gemma4_tiny" / "512_fp32" / "dist" / "manifest.json"
+    first = json.loads(manifest_path.read_text())["version"]
     assert _tags(tmp_path) == [first]
     # A toolchain upgrade, simulated: the record names another torch, so the next build has another version name.
     toolchain = json.loads((tmp_path / "toolchain.json").read_text())
@@ -81,12 +82,14 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     (tmp_path / "toolchain.json").write_text(json.dumps(toolchain))
     for stage in ("trace", "package", "validate"):
         run(cfg, stage)
+    second = json.loads(manifest_path.read_text())["version"]
+    assert second.startswith("512_fp32-cpu-torch2.13.1-") and second != first
     metrics_path = tmp_path / "gemma4_tiny" / "512_fp32" / "metrics.json"
     measured = metrics_path.read_text()
     slower = json.loads(measured)
     slower["throughput"]["tokens_per_s"] /= 2  # as if the new compiler's code were half as fast
     metrics_path.write_text(json.dumps(slower))
-    with pytest.raises(PublishError, match=rf"(?s)512_fp32-cpu-torch2.13.1 regressed against {first}.*decode "
+    with pytest.raises(PublishError, match=rf"(?s){second} regressed against {first}.*decode "
                                            r"tokens/s [^\n]*REGRESSED"):
         run(cfg, "publish")
     assert _tags(tmp_path) == [first]  # nothing published
@@ -95,11 +98,20 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     run(config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]",
                "publish.regression.tokens_per_s_drop=0.9",
                "publish.regression.ttft_ms_rise=10"), "publish")
-    assert sorted(_tags(tmp_path)) == [first, "512_fp32-cpu-torch2.13.1"]
-    published = subprocess.run(["git", "show", "512_fp32-cpu-torch2.13.1:512_fp32/manifest.json"],
+    assert sorted(_tags(tmp_path)) == sorted([first, second])
+    published = subprocess.run(["git", "show", f"{second}:512_fp32/manifest.json"],
                                cwd=tmp_path / "published", capture_output=True, text=True, check=True).stdout
     record = json.loads(published)["regression"]
     assert record["against"] == first and record["passed"] and not record["allowed"]
+    # Both versions stay published and listed; the variant's name pulls the newest, and says which.
+    card = (tmp_path / "published" / "README.md").read_text()
+    assert f"`{first}`" in card and f"`{second}`" in card
+    pulled = subprocess.run([sys.executable, "-m", "pipeline", "pull", str(tmp_path / "published"), "512_fp32",
+                             "--dest", str(tmp_path / "pulled"), "--allow-unsigned"], capture_output=True, text=True,
+                            timeout=300)
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"512_fp32 resolves to {second}, the newest published version" in pulled.stderr
+    assert Path(pulled.stdout.strip()).name == f"gemma4_tiny-{second}"
 
 
 # -- the scheduler's decisions ------------------------------------------------------------------------------------

@@ -383,7 +383,7 @@ def written_out(key: str, value) -> str:
 
 DEFAULTS = [(k, v) for k, v in leaves(OmegaConf.to_container(composed([f"+variant={VARIANT}", "backend=cpu"]),
                                                               resolve=True))
-            if k not in ("variant.name", "artifacts_dir", "stage", "force", "publish.overwrite")]
+            if k not in ("variant.name", "artifacts_dir", "stage", "force")]
 SEMANTIC = ["variant.kv_max=1024", "variant.bucket=64", "variant.dtype=bf16", "variant.prefill=host",
             "model.text_prefix='model.language_model.'", "validate.max_new_tokens=40", "validate.throughput.runs=3",
             "validate.parity.fp32=teacher_forced", "validate.warmup_prompts=0", "hardware=inf2_xlarge",
@@ -394,7 +394,7 @@ SEMANTIC = ["variant.kv_max=1024", "variant.bucket=64", "variant.dtype=bf16", "v
 @given(written=st.lists(st.sampled_from(DEFAULTS), max_size=8, unique_by=lambda kv: kv[0]), order=st.randoms())
 def test_equivalent_configurations_have_the_same_fingerprints(written, order):
     """Defaults written out, in any order, with settings no output depends on: the same fingerprints."""
-    overrides = [written_out(k, v) for k, v in written] + ["publish.overwrite=true", "force=true", "stage=trace"]
+    overrides = [written_out(k, v) for k, v in written] + ["publish.allow_regression=true", "force=true", "stage=trace"]
     order.shuffle(overrides)
     assert fingerprints(overrides) == default_fingerprints()
 

@@ -1,6 +1,7 @@
 """Stage 5, package: a deterministic archive of the rank directory, with its manifest.
 
-Writes ``artifacts/<model>/<variant>/dist/``: ``<model>-<version>.<format>`` (unpacks to one directory,
+Writes ``artifacts/<model>/<variant>/dist/``, for the version ``<variant>-<compiler>-<inputs>`` (version_name):
+``<model>-<version>.<format>`` (unpacks to one directory,
 ``<model>-<version>/``, holding only the rank files), ``manifest.json`` (schema version; model id, revision and
 config digest; the variant; backend, compiler and exact compiler arguments; toolchain; each member's path, size and
 sha256; the archive's name, size and sha256; the input fingerprint) and, with a signing key, ``manifest.sig``.
@@ -23,16 +24,25 @@ from pipeline.records import fingerprint, is_fresh
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import trace as trace_stage
 
+INPUTS_DIGITS = 8  # 32 bits: a clash among the few builds of one variant and compiler is out of reach
 
-def version_name(variant: str, compiler_id: str) -> str:
-    """``<variant>-<compiler>``, e.g. ``2048_bf16-ncc2.23.6484.0`` or ``512_fp32-cpu-torch2.13.0``."""
-    return f"{variant}-{compiler_id}"
+
+def version_name(variant: str, compiler_id: str, build_fingerprint: str, archive_format: str) -> str:
+    """``<variant>-<compiler>-<inputs>``, e.g. ``2048_bf16-ncc2.23.6484.0-1f0c9a7e``.
+
+    ``<inputs>`` is the start of a digest of everything that decides the archive's bytes: the build's fingerprint
+    (the checkpoint's content, so its revision; the recipe and backend code; the compiler, its arguments and the
+    toolchain; the shape) and the archive format. A rebuild from changed inputs gets a new version, an unchanged one
+    the same version (re-runs stay idempotent), and a published version never has to move.
+    """
+    inputs = fingerprint({"build": build_fingerprint, "format": archive_format})[:INPUTS_DIGITS]
+    return f"{variant}-{compiler_id}-{inputs}"
 
 
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     build = trace_stage.load(cfg)
-    version = version_name(cfg.variant.name, build["compiler"]["id"])
+    version = version_name(cfg.variant.name, build["compiler"]["id"], build["fingerprint"], cfg.package.format)
     root = f"{cfg.model.name}-{version}"
     fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
                       "created_by": __version__, "signed": bool(cfg.package.signing.private_key),

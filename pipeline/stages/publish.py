@@ -1,17 +1,18 @@
-"""Stage 7, publish: push a validated version as one commit, tagged ``<variant>-<compiler>``.
+"""Stage 7, publish: push a validated version as one commit, tagged ``<variant>-<compiler>-<inputs>``.
 
-The commit carries ``<variant>/<archive>``, ``<variant>/manifest.json`` (with the validation summary, and its
-signature ``manifest.sig`` when a key is set), ``<variant>/metrics.json`` and the root ``README.md``, the model card,
-regenerated from every version already published plus this one, so it never forgets older versions. Anything else in
-the variant's folder (an older version's archive) leaves the head in the same commit; tags keep every version.
+The commit carries ``<variant>/<archive>``, ``<variant>/manifest.json`` (with the validation summary, and its signature
+``manifest.sig`` when a key is set), ``<variant>/metrics.json`` and the root ``README.md``, the model card, regenerated
+from every version already published plus this one, so it never forgets older versions. Anything else in the variant's
+folder (an older version's archive) leaves the head in the same commit; tags keep every version.
 
 Only a validated artifact goes out: its validation must have passed every gate for exactly this archive, and the
-archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version
-already published with the same fingerprint makes no commit and no tag; a different build under an existing version
-is refused unless ``publish.overwrite=true``. A rebuild is compared with the last published version of its variant
-first and refused if it regressed (pipeline/regression.py; ``publish.allow_regression=true`` overrides, and the
-comparison is recorded in the published manifest). Targets: ``local`` (a git repository laid out as the Hub repo)
-and ``hub`` (pipeline/hub.py).
+archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version already
+published with the same archive bytes makes no commit and no tag. A version names its inputs (package.version_name), so
+a rebuild from changed inputs is a new version; an existing version is never moved, and different bytes under a
+published version (a build that is not reproducible) are refused. A rebuild is compared with the last published version
+of its variant first and refused if it regressed (pipeline/regression.py; ``publish.allow_regression=true`` overrides,
+and the comparison is recorded in the published manifest). Targets: ``local`` (a git repository laid out as the Hub
+repo) and ``hub`` (pipeline/hub.py).
 
 Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, version, commit, tag, fingerprint).
 """
@@ -89,8 +90,11 @@ def require_validated(manifest: dict, metrics: dict, report: dict, variant: str)
                            f"({', '.join(failed)} gate failed); see metrics.json and validation.json")
 
 
-def published_manifest(manifest: dict, summary: dict, regression: dict | None = None) -> dict:
-    extra = {"validation": summary} | ({"regression": regression} if regression else {})
+def published_manifest(manifest: dict, summary: dict, regression: dict | None, signed: bool) -> dict:
+    """The manifest as published: with its validation summary, its regression comparison, and whether a signature
+    (``manifest.sig``, over these very bytes) goes beside it."""
+    extra = ({"validation": summary} | ({"regression": regression} if regression else {})
+             | ({"signature": {"file": signing.SIGNATURE}} if signed else {}))
     return check_manifest(manifest | extra)
 
 
@@ -132,9 +136,9 @@ def published_manifests(target, exclude: str) -> list[dict]:
     return out
 
 
-def publish_version(target, version: str, variant: str, prepare, fingerprint: str, repo_id: str,
-                    overwrite: bool) -> dict:
-    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on the manifest fingerprint.
+def publish_version(target, version: str, variant: str, prepare, archive_sha256: str, repo_id: str,
+                    source: str) -> dict:
+    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on the archive's bytes.
 
     ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
     returns ``(files, manifest)`` to publish (it may refuse: the regression gate). Returns
@@ -144,24 +148,25 @@ def publish_version(target, version: str, variant: str, prepare, fingerprint: st
     tags = target.tags()
     if version in tags:
         raw = target.read(tags[version], f"{variant}/manifest.json")
-        theirs = json.loads(raw) if raw else {}
-        if theirs.get("fingerprint") == fingerprint:
-            log.info("publish: %s is already published at %s (same fingerprint): nothing to do", version,
+        theirs = (json.loads(raw) if raw else {}).get("archive", {}).get("sha256")
+        if theirs == archive_sha256:
+            log.info("publish: %s is already published at %s (same archive): nothing to do", version,
                      tags[version][:12])
             return {"commit": tags[version], "created": False}
-        if not overwrite:
-            raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) from a "
-                               "different build: bump the variant or compiler, or pass publish.overwrite=true to "
-                               "replace it")
+        raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) with another "
+                           f"archive (sha256 {str(theirs)[:12]}, this build's is {archive_sha256[:12]}): the same "
+                           "inputs gave different bytes, so something that decides them is missing from the build "
+                           "fingerprint (stages/trace.py, build_fingerprint). A published version is never replaced; "
+                           "nothing was published")
     head = target.head()
     raw = target.read(head, f"{variant}/manifest.json")
     files, manifest = prepare(json.loads(raw) if raw else None)
     others = published_manifests(target, version)
     require_same_model(manifest, others, repo_id)
-    card = render(others + [manifest], repo_id).encode()
+    card = render(others + [manifest], repo_id, source).encode()
     stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
     commit = target.commit({**files, "README.md": card}, stale, f"Publish {version}", head)
-    target.tag(version, commit, replace=version in tags)
+    target.tag(version, commit, replace=False)
     return {"commit": commit, "created": True}
 
 
@@ -185,26 +190,26 @@ def run(cfg: PipelineConfig) -> StageResult:
             log.log(logging.WARNING if found["allowed"] else logging.INFO, "publish: %s against %s: %s\n%s",
                     version, found["against"], "REGRESSED, allowed by publish.allow_regression" if found["allowed"]
                     else "no regression", regression.table(found))
-        final = published_manifest(manifest, summary, found)
+        final = published_manifest(manifest, summary, found, bool(sig.private_key))
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
-    def publish(target) -> dict:
-        return publish_version(target, version, cfg.variant.name, prepare, manifest["fingerprint"], pub.repo_id,
-                               pub.overwrite)
+    def publish(target, source: str) -> dict:
+        return publish_version(target, version, cfg.variant.name, prepare, manifest["archive"]["sha256"],
+                               pub.repo_id, source)
 
     if pub.target == "local":
         repo_dir = paths.root / pub.local_dir
         repo_dir.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
-            result = publish(LocalRepo(repo_dir))
+            result = publish(LocalRepo(repo_dir), str(repo_dir))
         where = str(repo_dir.resolve())
     else:
         from pipeline import hub
 
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
         target = hub.HubTarget(pub.repo_id, pub.private)
-        result = hub.with_retries(lambda: publish(target), f"publishing {version} to {pub.repo_id}", pub.retries,
-                                  pub.retry_base_s, pub.retry_max_s)
+        result = hub.with_retries(lambda: publish(target, pub.repo_id), f"publishing {version} to {pub.repo_id}",
+                                  pub.retries, pub.retry_base_s, pub.retry_max_s)
         where = pub.repo_id
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
         "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
