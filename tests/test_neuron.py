@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,8 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert not any(p.name.startswith("compile-") for p in variant_dir.iterdir())  # work files removed on success
     manifest = _manifest(root, "512_fp32")
     assert manifest["layout"] == "nxd_model" and manifest["version"].startswith("512_fp32-ncc2.23.6484.0-")
+    with zipfile.ZipFile(variant_dir / "build" / "model.pt") as saved:  # no paths of this checkout (torchscript.py)
+        assert saved.namelist() and not [n for n in saved.namelist() if n.endswith(".debug_pkl")]
     assert manifest["variant"]["tp_degree"] == 2
     assert manifest["compiler"]["args"] == FP32_ARGS
     assert manifest["compiler"]["versions"]["neuronx-cc"].startswith("2.23.6484.0+")  # with the build hash

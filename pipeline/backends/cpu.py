@@ -37,6 +37,7 @@ from pipeline.backends.base import (
     example_inputs,
     rank_members,
 )
+from pipeline.backends.torchscript import strip_debug_records
 from pipeline.errors import BuildError, IntegrityError, PipelineError
 from pipeline.fsutil import reporting_full_disk, sha256_file, staged_dir
 from pipeline.procinfo import die_with_parent, peak_rss_bytes
@@ -101,10 +102,12 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
     path = Path(out_dir) / f"tp_{rank}.pt"
     # Through a Python file: saving to a path aborts the whole process (C++ terminate) when a write fails, where a
     # file object raises an OSError we can explain (a full disk, ulimit -f).
-    with reporting_full_disk(path, f"trace: rank {rank}"), open(path, "wb") as f:
-        torch.jit.save(traced, f)
-        f.flush()
-        os.fsync(f.fileno())
+    with reporting_full_disk(path, f"trace: rank {rank}"):
+        with open(path, "wb") as f:
+            torch.jit.save(traced, f)
+            f.flush()
+            os.fsync(f.fileno())
+        strip_debug_records(path)  # the same bytes from any checkout, environment or host
     return {
         "rank": rank,
         "load_s": round(loaded - started, 3),

@@ -51,6 +51,7 @@ from pipeline.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, spec_problems, trace_port
 from pipeline.backends.neuron_sdk import NEURON_INDEX
+from pipeline.backends.torchscript import strip_debug_records
 from pipeline.errors import BuildError, ConfigError, IntegrityError
 from pipeline.fsutil import read_json, sha256_file, staged_dir
 from pipeline.log import log
@@ -299,6 +300,8 @@ class NeuronBackend:
             if found != sorted(self.members(shape)):
                 raise BuildError(f"the neuron compile wrote {found}, expected exactly {self.members(shape)} "
                                  f"(work files kept in {workdir})")
+            for name in found:
+                strip_debug_records(tmp / name)  # the same bytes from any checkout, environment or host
             members = [{"path": name, "size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
                        for name in sorted(found)]
         shutil.rmtree(workdir, ignore_errors=True)
