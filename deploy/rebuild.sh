@@ -14,7 +14,8 @@
 # Settings (environment):
 #   UPGRADE=apply|check   apply (default) installs upgrades; check only reports them and builds nothing new
 #   CHECK_ARGS="..."      extra arguments for check-upgrades (e.g. --neuron-index URL, a mirror of the Neuron repository)
-#   REPRO_ARGS="..."      extra arguments for dvc repro when no upgrade is applied (e.g. --force)
+#   REPRO_ARGS="..."      extra arguments for dvc repro when no upgrade is applied (e.g. --dry); --force re-runs
+#                         the commands, and each stage still skips what is up to date (force=true rebuilds)
 #   SKIP_DVC_REMOTE=1     no dvc pull / dvc push (no remote configured)
 # Exit status: 0 when the build (if any) and the push succeeded, otherwise the failing step's status.
 set -eu

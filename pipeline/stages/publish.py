@@ -217,4 +217,4 @@ def run(cfg: PipelineConfig) -> StageResult:
     })
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
              "new commit" if result["created"] else "already there")
-    return StageResult("publish", "ran", details=result)
+    return StageResult("publish", "ran" if result["created"] else "skipped", details=result)

@@ -139,7 +139,8 @@ def run(cfg: PipelineConfig) -> StageResult:
         present["neuronx-cc"] = record["neuronx_cc"]["version"]
     log.info("toolchain: backend %s, %s, %d aws-neuronx packages (%s)", record["backend"], present,
              len(record["system_packages"]), "changed, rewrote " + str(path) if changed else "unchanged")
-    return StageResult("toolchain", "ran", time.monotonic() - started, {"changed": changed})
+    # It always looks; it "ran" only when the record changed (a run that changes nothing says "ran nothing").
+    return StageResult("toolchain", "ran" if changed else "skipped", time.monotonic() - started, {"changed": changed})
 
 
 def load(cfg: PipelineConfig) -> dict:
