@@ -21,6 +21,8 @@ import logging
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline import manifest as manifest_mod
@@ -54,7 +56,8 @@ class LocalSource:
 
 
 class HubSource:
-    """A Hugging Face model repo (token from HF_TOKEN or the login cache, for private repos)."""
+    """A Hugging Face model repo (token from HF_TOKEN or the login cache, for private repos). A failed request is
+    reported in one line naming the endpoint (a Hub that does not answer is no missing version)."""
 
     def __init__(self, repo_id: str):
         from huggingface_hub import HfApi, get_token
@@ -63,18 +66,34 @@ class HubSource:
 
         self.api, self.repo_id, self.name = HfApi(endpoint=endpoint(), token=get_token()), repo_id, repo_id
 
+    @contextmanager
+    def asking(self, what: str) -> Iterator[None]:
+        from pipeline.hub import endpoint_url, explain
+
+        try:
+            yield
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every client failure becomes one line
+            said, hint = explain(exc, self.repo_id, reading=True)
+            raise PipelineError(f"{what} from {endpoint_url()} failed ({said}); {hint}") from None
+
     def tags(self) -> dict[str, str]:
-        return {tag.name: tag.target_commit for tag in self.api.list_repo_refs(self.repo_id).tags}
+        with self.asking(f"listing the tags of {self.repo_id}"):
+            return {tag.name: tag.target_commit for tag in self.api.list_repo_refs(self.repo_id).tags}
 
     def head(self) -> str:
-        return self.api.repo_info(self.repo_id).sha
+        with self.asking(f"reading the head of {self.repo_id}"):
+            return self.api.repo_info(self.repo_id).sha
 
     def files(self, commit: str) -> list[str]:
-        return self.api.list_repo_files(self.repo_id, revision=commit)
+        with self.asking(f"listing the files of {self.repo_id} at {commit[:12]}"):
+            return self.api.list_repo_files(self.repo_id, revision=commit)
 
     def fetch(self, commit: str, path: str, dest: Path) -> None:
         # The client checks only the size of what it downloads; pull verifies every checksum afterwards.
-        got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
+        with self.asking(f"downloading {path} of {self.repo_id} at {commit[:12]}"):
+            got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
         shutil.move(got, dest)
 
 

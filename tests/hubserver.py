@@ -1,10 +1,25 @@
-"""A Hugging Face Hub-compatible server for tests: in memory, standard library only, on 127.0.0.1.
+"""A Hugging Face Hub-compatible server for tests: in memory, on 127.0.0.1 (the standard library, and PyYAML for the
+model card's metadata).
 
-It implements the endpoints ``huggingface_hub`` (without Xet) calls to publish and to pull: create a repo, repo info,
-preupload, the LFS batch API with upload and verify actions, commit (NDJSON, ``parentCommit`` answered with 412 when
-the branch moved), list refs, create and delete tags, validate YAML, list the tree, and resolve (download) files.
+It implements the endpoints ``huggingface_hub`` calls to publish and to pull: create a repo, repo info, preupload, the
+LFS batch API with upload and verify actions, the Xet token routes, commit (NDJSON, ``parentCommit`` answered with 412
+when the branch moved), list refs, create and delete tags, validate YAML, list the tree, and resolve (download) files.
+
+It is as strict as the Hub where the project depends on it: a read-only token (``Hub.read_token``) gets 403 on every
+write; a tag name ``git check-ref-format`` refuses is a 400; deleting a missing file is a 404 ``EntryNotFound``; a
+README.md whose metadata names an unknown ``license`` or a ``base_model`` that is no repo id is a 400, on
+``/api/validate-yaml`` and on the commit alike.
+
+Xet: a real Xet upload cannot complete here (hf_xet talks to a CAS server with its own protocol, and this server could
+not serve the files back without reassembling Xet's chunks), so the Xet token routes answer faithfully (the headers
+hf_xet reads) but point at a CAS that answers 501, and the tests that upload successfully disable Xet, taking the LFS
+path. With Xet enabled the client asks for a write token before any byte moves (huggingface_hub
+_commit_api._upload_xet_files hands the route to hf_xet), so the failures production meets there (a token refused, the
+route down) are tested with Xet on and ``Faults.xet_token``.
+
 Faults are injected through ``Hub.faults``: a number of 412s on the next commits, failed or dropped LFS uploads, a
-commit that lands but answers 500.
+commit that lands but answers 500, every resolve answering a status (an outage), the Xet token routes answering a
+status, and a private repository over its storage quota.
 """
 
 from __future__ import annotations
@@ -13,13 +28,32 @@ import base64
 import hashlib
 import json
 import re
+import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
+import yaml
+
 USER = "tester"
 LFS_THRESHOLD = 64 * 1024  # files larger than this (or not text) go through LFS
+# The license identifiers the Hub accepts in a card's metadata, as its validation error lists them
+# (huggingface/huggingface_hub#4218, 2026).
+LICENSES = set("""apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0
+bigcode-openrail-m afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0
+cc-by-2.0 cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0
+cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0 cdla-permissive-1.0
+cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 eupl-1.2 agpl-3.0 gfdl gpl gpl-2.0 gpl-3.0 lgpl
+lgpl-2.1 lgpl-3.0 isc h-research intel-research lppl-1.3c ms-pl apple-ascl apple-amlr mpl-2.0 odc-by odbl openmdw-1.0
+openrail++ osl-3.0 postgresql ofl-1.1 ncsa unlicense zlib pddl lgpl-lr deepfloyd-if-license
+fair-noncommercial-research-license llama2 llama3 llama3.1 llama3.2 llama3.3 llama4 grok2-community gemma unknown
+other""".split())
+# A repo id as huggingface_hub's validate_repo_id accepts it, with the owner the Hub's metadata check requires.
+REPO_ID_RE = re.compile(r"[\w\-.]{1,96}/[\w\-.]{1,96}")
+# The Hub's answer to a write past a private repository's storage quota (huggingface/huggingface_hub#3048).
+QUOTA_MESSAGE = "Private repository storage limit reached, please upgrade your plan to increase your storage limit"
 
 
 def git_sha1(data: bytes) -> str:
@@ -64,6 +98,9 @@ class Faults:
     upload_errors: int = 0  # fail this many LFS uploads with a 400 (the client does not retry those)
     drop_uploads: int = 0  # drop this many LFS uploads mid-body (a broken connection)
     commit_lost: int = 0  # apply this many commits but answer 500 (the response is lost)
+    resolve: int = 0  # while set, answer every resolve (HEAD and GET) with this status: the Hub is down
+    xet_token: int = 0  # while set, answer the Xet token routes with this status
+    quota: bool = False  # while set, private repositories are over their storage quota: writes get the Hub's 403
 
 
 class Hub:
@@ -74,6 +111,7 @@ class Hub:
         self.calls: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.token = "hf_test_token"
+        self.read_token = "hf_test_read_token"  # a token with the read role: every write answers 403
         self.server: ThreadingHTTPServer | None = None
 
     @property
@@ -141,15 +179,33 @@ class _Handler(BaseHTTPRequestHandler):
     def error(self, status: int, code: str, message: str) -> None:
         self.reply(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message})
 
+    def bearer(self) -> str | None:
+        return {f"Bearer {self.hub.token}": "write", f"Bearer {self.hub.read_token}": "read"}.get(
+            self.headers.get("Authorization", ""))
+
     def authorized(self) -> bool:
-        if self.headers.get("Authorization") == f"Bearer {self.hub.token}":
+        if self.bearer():
             return True
         self.error(401, "Unauthorized", "Invalid credentials in Authorization header")
         return False
 
+    def writable(self, repo_id: str) -> bool:
+        """A write: a valid token with the write role, and (for a private repository) room in its storage quota."""
+        if not self.authorized():
+            return False
+        if self.bearer() != "write":  # the Hub's answer to a read token on a write route (message approximated)
+            self.error(403, "Forbidden", f"You don't have the rights to write to {repo_id}: this token has the read "
+                                         "role; use a token with the write role")
+            return False
+        repo = self.hub.repos.get(repo_id)
+        if self.hub.faults.quota and repo is not None and repo.private:
+            self.error(403, "Forbidden", QUOTA_MESSAGE)
+            return False
+        return True
+
     def repo(self, repo_id: str) -> Repo | None:
         repo = self.hub.repos.get(repo_id)
-        if repo is None or (repo.private and self.headers.get("Authorization") != f"Bearer {self.hub.token}"):
+        if repo is None or (repo.private and not self.bearer()):
             self.error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
             return None
         return repo
@@ -164,7 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._body = None
                 with self.hub.lock if name not in ("lfs_upload",) else _nolock():
                     getattr(self, name)(*args)
-                if self._body is None and not self.close_connection and method in ("POST", "PUT", "DELETE"):
+                if self._body is None and not self.close_connection and method in ("POST", "PUT", "PATCH", "DELETE"):
                     self.body()  # drain an unread request body, or it would be read as the next request
                 return
         self.error(404, "EntryNotFound", f"no route for {method} {path}")
@@ -184,6 +240,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):  # noqa: N802
         self.route("DELETE")
 
+    def do_PATCH(self):  # noqa: N802
+        self.route("PATCH")
+
     # -- endpoints --------------------------------------------------------------------------------------------
 
     def whoami(self):
@@ -191,10 +250,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.reply(200, {"name": USER, "type": "user", "orgs": []})
 
     def create_repo(self):
-        if not self.authorized():
-            return
         payload = json.loads(self.body())
         repo_id = f"{payload.get('organization') or USER}/{payload['name']}"
+        if not self.writable(repo_id):  # the client's create_repo(exist_ok=True) then checks the repo exists
+            return
         if repo_id in self.hub.repos:
             self.reply(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"},
                        {"X-Error-Code": "RepoExists"})
@@ -217,7 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def preupload(self, repo_id, revision):
         repo = self.repo(repo_id)
-        if repo is None or not self.authorized():
+        if repo is None or not self.writable(repo_id):
             return
         head = repo.resolve(revision)
         files = []
@@ -231,7 +290,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.reply(200, {"files": files})
 
     def lfs_batch(self, repo_id):
-        if self.repo(repo_id) is None or not self.authorized():
+        if self.repo(repo_id) is None or not self.writable(repo_id):
             return
         objects = []
         for obj in json.loads(self.body())["objects"]:
@@ -267,9 +326,24 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.error(404, "EntryNotFound", f"LFS object {oid} was never uploaded")
 
+    def xet_token(self, repo_id, kind, revision):
+        """``GET /api/models/{repo}/xet-{read,write}-token/{revision}``: the Xet access token, in the headers
+        huggingface_hub's utils/_xet.py (parse_xet_connection_info_from_headers) and hf_xet read; the write one needs
+        write access. The CAS it names answers 501: no Xet transfer completes here."""
+        if self.repo(repo_id) is None or not (self.writable(repo_id) if kind == "write" else self.authorized()):
+            return
+        if self.hub.faults.xet_token:
+            self.error(self.hub.faults.xet_token, "XetTokenFault", "simulated Xet token route failure")
+            return
+        self.reply(200, {}, {"X-Xet-Cas-Url": f"{self.hub.url}/cas", "X-Xet-Access-Token": "xet_test_token",
+                             "X-Xet-Token-Expiration": str(int(time.time()) + 3600)})
+
+    def cas(self, path):
+        self.error(501, "NotImplemented", f"this test Hub has no Xet CAS (/cas/{path}): disable Xet for uploads")
+
     def commit(self, repo_id, revision):
         repo = self.repo(repo_id)
-        if repo is None or not self.authorized():
+        if repo is None or not self.writable(repo_id):
             return
         lines = [json.loads(line) for line in self.body().splitlines() if line.strip()]
         header = lines[0]["value"]
@@ -292,7 +366,13 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 files[value["path"]] = self.hub.lfs[value["oid"]]
             elif key == "deletedFile":
-                files.pop(value["path"], None)
+                if files.pop(value["path"], None) is None:  # HfApi.delete_file documents EntryNotFoundError for this
+                    self.error(404, "EntryNotFound", f"{value['path']} does not exist at {revision}")
+                    return
+        problems = card_problems(files["README.md"].decode()) if "README.md" in files else []
+        if problems:  # the Hub validates the card on commit too, not only on /api/validate-yaml
+            self.error(400, "BadRequest", "Invalid metadata in README.md. " + " ".join(problems))
+            return
         commit = repo.commit(files, header["summary"])
         if faults.commit_lost > 0:
             faults.commit_lost -= 1
@@ -312,11 +392,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def create_tag(self, repo_id, revision):
         repo = self.repo(repo_id)
-        if repo is None or not self.authorized():
+        if repo is None or not self.writable(repo_id):
             return
         tag = json.loads(self.body())["tag"]
         commit = repo.resolve(revision)
-        if tag in repo.tags:
+        if not valid_ref(tag):  # a 400: hf_raise_for_status makes it a BadRequestError (utils/_http.py)
+            self.error(400, "BadRequest", f"Invalid tag name: {tag!r} is not a valid git reference")
+        elif tag in repo.tags:
             self.error(409, "Conflict", f"Tag {tag} already exists")
         elif commit is None:
             self.error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
@@ -326,7 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def delete_tag(self, repo_id, tag):
         repo = self.repo(repo_id)
-        if repo is None or not self.authorized():
+        if repo is None or not self.writable(repo_id):
             return
         if repo.tags.pop(tag, None) is None:
             self.error(404, "RevisionNotFound", f"Tag {tag} does not exist")
@@ -334,9 +416,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.reply(200, {})
 
     def validate_yaml(self):
+        """What HfApi.create_commit asks before uploading a README.md (hf_api._validate_yaml): a 400 with
+        ``{"errors": [{"message"}]}`` becomes its ``ValueError("Invalid metadata in README.md. ...")``."""
         content = json.loads(self.body())["content"]
-        if not content.startswith("---\n"):
-            self.reply(400, {"errors": [{"message": "README.md has no YAML metadata"}]})
+        problems = card_problems(content) if content.startswith("---\n") else ["README.md has no YAML metadata"]
+        if problems:
+            self.reply(400, {"errors": [{"message": p} for p in problems]})
         else:
             self.reply(200, {"warnings": []})
 
@@ -365,6 +450,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.reply(200, entries)
 
     def resolve_file(self, repo_id, revision, path):
+        if self.hub.faults.resolve:
+            self.error(self.hub.faults.resolve, "ServiceUnavailable", "simulated outage")
+            return
         commit = self.commit_at(repo_id, revision)
         if commit is None:
             return
@@ -385,6 +473,31 @@ class _nolock:
 
     def __exit__(self, *exc):
         return False
+
+
+def card_problems(readme: str) -> list[str]:
+    """What the Hub's metadata check refuses in a model card, in its words: an unknown ``license`` (or none: the
+    project's cards always set one) and a ``base_model`` that is not a model id."""
+    _, front, _ = (readme.split("---\n", 2) + ["", ""])[:3] if readme.startswith("---\n") else ("", "", "")
+    try:
+        meta = yaml.safe_load(front) or {}
+    except yaml.YAMLError as exc:
+        return [f"Invalid YAML: {exc}"]
+    problems = []
+    if meta.get("license") not in LICENSES:
+        problems.append(f'"license" must be one of [{", ".join(sorted(LICENSES))}]')
+    bases = meta.get("base_model")
+    for base in bases if isinstance(bases, list) else [] if bases is None else [bases]:
+        if not isinstance(base, str) or not REPO_ID_RE.fullmatch(base):
+            problems.append(f'"base_model" with value "{base}" is not valid. Use a model id from https://hf.co/models.')
+    return problems
+
+
+def valid_ref(name: str) -> bool:
+    """A tag name the Hub accepts: what ``git check-ref-format`` accepts, not starting with '-'."""
+    if name.startswith("-") or "\0" in name:
+        return False
+    return subprocess.run(["git", "check-ref-format", f"refs/tags/{name}"], capture_output=True).returncode == 0
 
 
 def _stored_in_lfs(data: bytes) -> bool:
@@ -408,6 +521,8 @@ ROUTES = {
         (rf"/api/models/{REPO}/refs", "refs"),
         (rf"/api/models/{REPO}/tree/([^/]+)", "tree"),
         (rf"/api/models/{REPO}/tree/([^/]+)/(.+)", "tree"),
+        (rf"/api/models/{REPO}/xet-(read|write)-token/([^/]+)", "xet_token"),
+        (r"/cas/(.*)", "cas"),
         (rf"/{REPO}/resolve/([^/]+)/(.+)", "resolve_file"),
     ],
     "HEAD": [(rf"/{REPO}/resolve/([^/]+)/(.+)", "resolve_file")],
@@ -419,7 +534,9 @@ ROUTES = {
         (rf"/api/models/{REPO}/tag/([^/]+)", "create_tag"),
         (rf"/{REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
         (r"/lfs-verify/([0-9a-f]+)", "lfs_verify"),
+        (r"/cas/(.*)", "cas"),
     ],
     "PUT": [(r"/lfs-upload/([0-9a-f]+)", "lfs_upload")],
+    "PATCH": [(r"/cas/(.*)", "cas")],
     "DELETE": [(rf"/api/models/{REPO}/tag/([^/]+)", "delete_tag")],
 }

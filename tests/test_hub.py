@@ -1,5 +1,6 @@
 """Publishing to (and pulling from) a Hugging Face Hub: the real huggingface_hub client against a Hub-compatible
-server on 127.0.0.1 (tests/hubserver.py), without Xet."""
+server on 127.0.0.1 (tests/hubserver.py). Uploads that succeed take the LFS path (Xet disabled: the server has no Xet
+CAS); the Xet token route's failures are tested with Xet enabled, the path production takes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
 from .hubserver import Hub
 
 REPO_ID = "tester/gemma4-tiny-inferentia2"
-VERSION = f"512_fp32-{CPU_COMPILER}"
+
+
+def version_of(root: Path, variant: str = "512_fp32") -> str:
+    """The version the package stage named for ``variant`` under ``root`` (it names the build's inputs)."""
+    return read_json(Paths(root, "gemma4_tiny", variant).manifest)["version"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,9 @@ def hub_env(hub, monkeypatch, tmp_path):
     import huggingface_hub.utils._http as http
 
     monkeypatch.setattr(http.time, "sleep", lambda s: None)  # the client's own backoff, instant in tests
+    # hf_xet's own retries (5 over about 5 minutes by default), read from the environment by its session: 2, at once.
+    monkeypatch.setenv("HF_XET_CLIENT_RETRY_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("HF_XET_CLIENT_RETRY_BASE_DELAY", "10ms")
     hub.faults.__init__()
 
 
@@ -74,6 +82,7 @@ def files_at(hub: Hub, revision: str) -> dict[str, bytes]:
 
 
 def test_first_publish_is_one_commit_and_one_tag(hub, project):
+    VERSION = version_of(project)
     cfg = hub_cfg(project)
     run(cfg, "publish")
     repo = hub.repos[REPO_ID]
@@ -103,23 +112,27 @@ def test_publishing_again_makes_no_commit_and_no_tag(hub, project):
 
 
 def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, project):
+    VERSION = version_of(project)
     hub.faults.conflicts = 2  # two 412s: someone else committed meanwhile
     before = len(hub.repos[REPO_ID].commits)
     run(hub_cfg(project, "256_bf16_host"), "publish")
     repo = hub.repos[REPO_ID]
     assert len(repo.commits) == before + 1  # retried after the conflicts, committed once
-    assert sorted(repo.tags) == [f"256_bf16_host-{CPU_COMPILER}", VERSION]
+    other = version_of(project, "256_bf16_host")
+    assert other.startswith(f"256_bf16_host-{CPU_COMPILER}-") and sorted(repo.tags) == sorted([other, VERSION])
     card = files_at(hub, "main")["README.md"].decode()
-    assert f"`256_bf16_host-{CPU_COMPILER}`" in card and f"`{VERSION}`" in card
+    assert f"`{other}`" in card and f"`{VERSION}`" in card
     assert "512_fp32/manifest.json" in files_at(hub, "main")
 
 
 def test_a_failed_upload_then_a_rerun_makes_exactly_one_commit(hub, project, tmp_path):
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
-    cfg = hub_cfg(root, "512_fp32", "package.format=tar", "publish.overwrite=true", "publish.retries=2")
-    run(cfg, "package")
+    cfg = hub_cfg(root, "512_fp32", "package.format=tar", "publish.retries=2")
+    run(cfg, "package")  # another archive format: another version of the variant
     run(cfg, "validate")
+    VERSION = version_of(root)
+    assert VERSION != version_of(project)
     before, local = len(hub.repos[REPO_ID].commits), snapshot(root)
     hub.faults.drop_uploads = 100  # every upload breaks mid-body, past the client's and our retries
     with pytest.raises(PublishError, match=r"failed after 2 attempt\(s\) .*retry later: publishing is idempotent"):
@@ -137,9 +150,10 @@ def test_a_failed_upload_then_a_rerun_makes_exactly_one_commit(hub, project, tmp
 def test_a_lost_commit_response_is_retried_without_a_duplicate_commit(hub, project, tmp_path):
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
-    cfg = hub_cfg(root, "512_fp32", "package.format=tar.gz", "publish.overwrite=true")
+    cfg = hub_cfg(root, "512_fp32", "package.format=tar.gz")
     run(cfg, "package")
     run(cfg, "validate")
+    VERSION = version_of(root)
     before = len(hub.repos[REPO_ID].commits)
     hub.faults.commit_lost = 1  # the commit lands, its answer is a 500
     run(cfg, "publish")
@@ -147,18 +161,26 @@ def test_a_lost_commit_response_is_retried_without_a_duplicate_commit(hub, proje
     assert len(repo.commits) == before + 1 and repo.tags[VERSION] == repo.main
 
 
-def test_an_existing_version_from_another_build_is_refused_without_overwrite(hub, project, tmp_path):
+def test_other_bytes_under_a_published_version_are_refused_and_the_version_never_moves(hub, project, tmp_path,
+                                                                                       monkeypatch):
+    """A build that does not reproduce (simulated: another archive named as the published version) is refused;
+    there is no way to move a published version."""
+    from pipeline.stages import package as package_stage
+
+    VERSION = version_of(project)
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
-    cfg = hub_cfg(root, "512_fp32")
-    manifest = read_json(Paths.of(cfg).manifest)
-    atomic_write_json(Paths.of(cfg).manifest, manifest | {"fingerprint": "e" * 64})  # another build's inputs
+    cfg = hub_cfg(root, "512_fp32", "package.format=tar.gz")
+    monkeypatch.setattr(package_stage, "version_name", lambda *inputs: VERSION)
+    run(cfg, "package")
     run(cfg, "validate")
-    commits = len(hub.repos[REPO_ID].commits)
+    tags, commits = dict(hub.repos[REPO_ID].tags), len(hub.repos[REPO_ID].commits)
     local = snapshot(root)
-    with pytest.raises(PublishError, match=f"version {VERSION} is already published .* publish.overwrite=true"):
+    with pytest.raises(PublishError, match=f"version {VERSION} is already published .* with another archive .*"
+                                           "A published version is never replaced; nothing was published"):
         run(cfg, "publish")
-    assert len(hub.repos[REPO_ID].commits) == commits and snapshot(root) == local
+    assert len(hub.repos[REPO_ID].commits) == commits and hub.repos[REPO_ID].tags == tags
+    assert snapshot(root) == local
 
 
 def test_an_unvalidated_artifact_is_refused_before_any_request(hub, project, tmp_path):
@@ -184,7 +206,8 @@ def test_a_missing_token_is_named_before_any_request(hub, project, monkeypatch):
 
 def test_a_wrong_token_is_a_clear_error(hub, project, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_wrong")
-    with pytest.raises(PublishError, match="HTTP 401.*check publish.repo_id and the token's write access") as err:
+    with pytest.raises(PublishError, match=rf"failed after 1 attempt\(s\) \(HTTP 401.*the token cannot write to "
+                                           rf"{REPO_ID}: use a token with write access") as err:
         run(hub_cfg(project), "publish")
     assert "hf_wrong" not in str(err.value)  # never echoed
 
@@ -205,7 +228,7 @@ def test_a_network_error_that_persists_past_the_retries_is_named(project, monkey
 def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tmp_path):
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
            "PATH": "/usr/bin:/bin"}
-    version = f"256_bf16_host-{CPU_COMPILER}"
+    version = version_of(project, "256_bf16_host")
     proc = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(tmp_path / "w"),
                            "--allow-unsigned"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -219,6 +242,7 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
 # -- what may go to the Hub --------------------------------------------------------------------------------------
 
 def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_it_is(hub, project):
+    VERSION = version_of(project)
     demo_repo = "tester/demo-builds"  # a repository of its own: the other tests' repository holds edited builds
     with pytest.raises(PublishError, match=r"embedded tiny test model, not a Hub checkpoint; it was built by the cpu "
                                            r"backend.*publish.allow_demo=true.*Nothing was published"):
@@ -248,3 +272,187 @@ def test_a_repository_of_one_model_refuses_a_build_of_another():
     require_same_model(ours, [ours], "org/repo")
     with pytest.raises(PublishError, match=r"org/repo holds builds of \['google/gemma-4-E2B-it'\]"):
         require_same_model(ours, [{"model": {"hub_id": "google/gemma-4-E2B-it"}}], "org/repo")
+
+
+# -- a Hub that does not answer, refuses, or is full ---------------------------------------------------------------
+
+def calls_to(hub: Hub, start: int, method: str, part: str) -> int:
+    return len([c for c in hub.calls[start:] if c[0] == method and part in c[1]])
+
+
+def test_a_hub_that_does_not_answer_reads_is_not_an_empty_repository(hub, project):
+    repo_id = "tester/outage"
+    run(hub_cfg(project, repo_id=repo_id), "publish")  # the head's manifest is a 404 EntryNotFound: absent, published
+    repo = hub.repos[repo_id]
+    before = (len(repo.commits), dict(repo.tags), repo.resolve("main").files["README.md"])
+    hub.faults.resolve = 503  # every download answers 503, past the client's retries (LocalEntryNotFoundError)
+    calls = len(hub.calls)
+    # The same build again (its manifest unread is no "different build"), and a new version beside it (the regression
+    # baseline and the card's older versions unread are no empty repository).
+    for variant in ("512_fp32", "256_bf16_host"):
+        with pytest.raises(PublishError, match=r"failed after 2 attempt\(s\) \(HTTP 503: .*the Hub at "
+                                               r"http://127\.0\.0\.1:\d+ did not answer; retry later: publishing is "
+                                               r"idempotent"):
+            run(hub_cfg(project, variant, "publish.retries=2", repo_id=repo_id), "publish")
+    assert (len(repo.commits), dict(repo.tags), repo.resolve("main").files["README.md"]) == before
+    assert calls_to(hub, calls, "POST", "/commit/") == 0 and calls_to(hub, calls, "POST", "/tag/") == 0
+
+
+@pytest.fixture
+def xet(monkeypatch):
+    """Uploads through Xet, as in production (hf_xet installed, HF_HUB_DISABLE_XET unset)."""
+    pytest.importorskip("hf_xet")
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_DISABLE_XET")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_xet_token_is_not_retried_and_names_the_token(hub, project, xet, status):
+    repo_id = f"tester/xet-{status}"
+    hub.faults.xet_token = status  # hf_xet reports it as a plain ConnectionError carrying the status
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=rf"failed after 1 attempt\(s\) \(HTTP {status}: .*xet-write-token.*"
+                                           rf"the token cannot write to {repo_id}: use a token with write access"):
+        run(hub_cfg(project, repo_id=repo_id), "publish")
+    assert calls_to(hub, calls, "GET", f"/api/models/{repo_id}/xet-write-token/") == 1  # Xet was asked, once
+    assert len(hub.repos[repo_id].commits) == 1 and not hub.repos[repo_id].tags
+
+
+def test_a_xet_token_route_that_does_not_answer_is_retried_then_named(hub, project, xet):
+    repo_id = "tester/xet-503"
+    hub.faults.xet_token = 503
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=r"failed after 2 attempt\(s\) \(HTTP 503: .*did not answer; retry later"):
+        run(hub_cfg(project, "512_fp32", "publish.retries=2", repo_id=repo_id), "publish")
+    assert calls_to(hub, calls, "POST", f"/api/models/{repo_id}/preupload/") == 2  # our two attempts
+    assert calls_to(hub, calls, "GET", f"/api/models/{repo_id}/xet-write-token/") >= 2  # and hf_xet's own retries
+    assert len(hub.repos[repo_id].commits) == 1 and not hub.repos[repo_id].tags
+
+
+def test_a_read_only_token_is_refused_naming_the_token(hub, project, monkeypatch):
+    from huggingface_hub import HfApi
+
+    repo_id = "tester/read-only"
+    HfApi(endpoint=hub.url, token=hub.token).create_repo(repo_id, private=True)
+    monkeypatch.setenv("HF_TOKEN", hub.read_token)
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=rf"failed after 1 attempt\(s\) \(HTTP 403: .*the token cannot write to "
+                                           rf"{repo_id}: use a token with write access") as err:
+        run(hub_cfg(project, repo_id=repo_id), "publish")
+    assert hub.read_token not in str(err.value)
+    assert calls_to(hub, calls, "POST", "/preupload/") == 1
+    assert len(hub.repos[repo_id].commits) == 1 and not hub.repos[repo_id].tags
+
+
+def test_a_full_storage_quota_is_named_and_not_retried(hub, project):
+    from huggingface_hub import HfApi
+
+    repo_id = "tester/full"
+    HfApi(endpoint=hub.url, token=hub.token).create_repo(repo_id, private=True)
+    hub.faults.quota = True
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=rf"failed after 1 attempt\(s\) \(HTTP 403: .*storage limit reached.*"
+                                           rf"{repo_id} is over the Hub's storage quota .*not retried"):
+        run(hub_cfg(project, repo_id=repo_id), "publish")
+    assert calls_to(hub, calls, "POST", "/preupload/") == 1
+    assert len(hub.repos[repo_id].commits) == 1 and not hub.repos[repo_id].tags
+
+
+def test_the_test_hub_refuses_bad_tags_missing_deletions_and_read_only_writes(hub):
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub.errors import BadRequestError, HfHubHTTPError, RemoteEntryNotFoundError
+
+    api, main = HfApi(endpoint=hub.url, token=hub.token), hub.repos[REPO_ID].main
+    for bad in ["has space", "a..b", "a~1", "a^1", "a:b", "a?b", "a*b", "a[b", "a\\b", "-lead", "x.lock", "end.",
+                ".dot", "a@{b"]:
+        with pytest.raises(BadRequestError, match="Invalid tag name"):
+            api.create_tag(REPO_ID, tag=bad, revision=main)
+    api.create_tag(REPO_ID, tag="ok-1.0+local", revision=main)
+    api.delete_tag(REPO_ID, tag="ok-1.0+local")
+    with pytest.raises(RemoteEntryNotFoundError):
+        api.create_commit(REPO_ID, [CommitOperationDelete("no-such-file.txt")], commit_message="delete")
+    reader = HfApi(endpoint=hub.url, token=hub.read_token)
+    assert reader.list_repo_refs(REPO_ID).tags  # reads work
+    published = next(iter(hub.repos[REPO_ID].tags))
+    for write in (lambda: reader.create_tag(REPO_ID, tag="read-only", revision=main),
+                  lambda: reader.delete_tag(REPO_ID, tag=published),
+                  lambda: reader.create_repo("tester/not-created"),
+                  lambda: reader.create_commit(REPO_ID, [CommitOperationAdd("x.txt", b"x")], commit_message="x")):
+        with pytest.raises(HfHubHTTPError) as err:
+            write()
+        assert err.value.response.status_code == 403
+    assert published in hub.repos[REPO_ID].tags and "tester/not-created" not in hub.repos
+
+
+def test_version_names_are_checked_as_git_checks_refs():
+    from pipeline.stages.package import version_name
+    from pipeline.stages.publish import tag_problem
+
+    ours = [version_name(p.stem, compiler, "0" * 64, fmt)
+            for p in (Path(__file__).parent.parent / "conf" / "variant").glob("*.yaml")
+            for compiler in ("ncc2.23.6484.0", "cpu-torch2.13.0", "cpu-torch2.9.0rc1", "ncc2.21.18209.0+043b1bf7")
+            for fmt in ("tar.zst", "tar.gz", "tar")]
+    names = ours + ["a b", "a..b", "a~1", "a^1", "a:b", "a?b", "a*b", "a[b", "a\\b", "x.lock", "end.", ".dot",
+                    "a/.dot", "a//b", "a/b", "b/", "a@{b", "tab\tx", "del\x7f"]
+    for name in names:
+        git = subprocess.run(["git", "check-ref-format", f"refs/tags/{name}"], capture_output=True).returncode == 0
+        assert (tag_problem(name) is None) == git, name
+    assert not [n for n in ours if tag_problem(n)]
+    assert tag_problem("-lead")  # git accepts it as a ref; its commands would read it as an option
+
+
+def test_a_version_that_cannot_be_a_tag_is_refused_before_any_request(hub, project, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
+    cfg = hub_cfg(root)
+    manifest = read_json(Paths.of(cfg).manifest)
+    atomic_write_json(Paths.of(cfg).manifest, manifest | {"version": "512_fp32-cpu torch2"})  # a compiler id's space
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=r"version '512_fp32-cpu torch2' cannot be a tag \(it contains ' '\)"):
+        run(cfg, "publish")
+    assert len(hub.calls) == calls
+
+
+def test_the_projects_cards_pass_the_hubs_metadata_check_and_a_broken_one_is_refused(hub, project, monkeypatch):
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from pipeline.card import render
+    from pipeline.stages import publish
+
+    ours = json.loads(files_at(hub, version_of(project))["512_fp32/manifest.json"])
+    real = ours | {"model": ours["model"] | {"hub_id": "google/gemma-4-E4B-it"}, "backend": "neuron"}
+    api, repo_id = HfApi(endpoint=hub.url, token=hub.token), "tester/cards"
+    api.create_repo(repo_id)
+    for manifests in ([real], [ours]):  # the real model's card and the demo card: each a commit the Hub accepts
+        api.create_commit(repo_id, [CommitOperationAdd("README.md", render(manifests, repo_id).encode())],
+                          commit_message="card")
+    broken = render([real], repo_id).replace("license: apache-2.0", "license: apache2").replace(
+        "base_model: google/gemma-4-E4B-it", "base_model: gemma-4-E4B-it")
+    monkeypatch.setattr(publish, "render", lambda manifests, repo_id, source: broken)
+    calls = len(hub.calls)
+    with pytest.raises(PublishError, match=r'failed after 1 attempt\(s\) \(HTTP 400: Invalid metadata in README.md\. '
+                                           r'- "license" must be one of \[.*the Hub refused the model card'):
+        run(hub_cfg(project, repo_id=repo_id), "publish")
+    assert calls_to(hub, calls, "POST", "/validate-yaml") == 1 and calls_to(hub, calls, "POST", "/commit/") == 0
+    monkeypatch.setattr(api, "_validate_yaml", lambda *a, **k: None)  # the commit route checks the card as well
+    with pytest.raises(ValueError, match=r'Invalid metadata in README.md. .*"base_model" with value "gemma-4-E4B-it" '
+                                         r"is not valid"):
+        api.create_commit(repo_id, [CommitOperationAdd("README.md", broken.encode())], commit_message="card")
+    assert len(hub.repos[repo_id].commits) == 3 and not hub.repos[repo_id].tags
+
+
+def test_pull_from_a_hub_that_does_not_answer_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, "512_fp32", "--dest", str(tmp_path / "w"),
+                           "--allow-unsigned"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"from http://127.0.0.1:{port} failed (ConnectError" in proc.stderr and "retry later" in proc.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 from pathlib import Path
 
@@ -68,6 +69,34 @@ def require_real_or_allowed(manifest: dict, repo_id: str, allow_demo: bool) -> N
                            "Build the real model on an inf2 host (model=gemma4_e4b backend=neuron), or set "
                            "publish.allow_demo=true to publish it as a demo build (its card says so). Nothing was "
                            "published")
+
+
+# What ``git check-ref-format`` refuses anywhere in a ref: control characters, space, ``~^:?*[\``, ``..``, ``@{``
+# and ``//`` (git-check-ref-format(1), rules 3-5, 8 and 10); the Hub checks tag names the same way.
+_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
+
+
+def tag_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a tag (``git check-ref-format refs/tags/<name>``, and no leading ``-``, which git's
+    commands would read as an option), or None."""
+    if not name or name == "@":
+        return "it is empty or '@'"
+    found = _REF_FORBIDDEN.search(name)
+    if found:
+        return f"it contains {found.group()!r}"
+    if name.startswith(("-", "/")) or name.endswith(("/", ".")):
+        return "it starts with '-' or '/', or ends with '/' or '.'"
+    if any(part.startswith(".") or part.endswith(".lock") for part in name.split("/")):
+        return "a component starts with '.' or ends with '.lock'"
+    return None
+
+
+def require_valid_tag(version: str) -> None:
+    """A version is published as a tag: a name git (and the Hub) would refuse is refused before any request."""
+    problem = tag_problem(version)
+    if problem:
+        raise PublishError(f"version {version!r} cannot be a tag ({problem}): its variant and compiler id make it; "
+                           "nothing was published")
 
 
 def require_same_model(manifest: dict, published: list[dict], repo_id: str) -> None:
@@ -181,6 +210,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
     summary = validation_summary(metrics, report)
     version = manifest["version"]
+    require_valid_tag(version)
     pub = cfg.publish
 
     def prepare(previous: dict | None) -> tuple[dict, dict]:
@@ -209,7 +239,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
         target = hub.HubTarget(pub.repo_id, pub.private)
         result = hub.with_retries(lambda: publish(target, pub.repo_id), f"publishing {version} to {pub.repo_id}",
-                                  pub.retries, pub.retry_base_s, pub.retry_max_s)
+                                  pub.retries, pub.retry_base_s, pub.retry_max_s, pub.repo_id)
         where = pub.repo_id
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
         "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
