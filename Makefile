@@ -22,7 +22,7 @@ VENV_LOWEST ?= .venv-lowest
 VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
                  tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
 
-.PHONY: demo test test-full test-production test-lowest constraints lint dvc-demo clean-artifacts
+.PHONY: demo test test-full test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ constraints: $(VENV)/.installed
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --resolution lowest-direct --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --no-emit-package gemma4-neuron-pipeline -o constraints-lowest.txt
 	rm -f .production-input.txt
+
+# The production path rehearsed (tests/test_rehearsal.py, about 2 minutes): deploy/rebuild.sh on a checkout set up for
+# release (E4B's checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote).
+test-rehearsal: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py
 
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q -m ""

@@ -91,10 +91,13 @@ class HubSource:
             return self.api.list_repo_files(self.repo_id, revision=commit)
 
     def fetch(self, commit: str, path: str, dest: Path) -> None:
-        # The client checks only the size of what it downloads; pull verifies every checksum afterwards.
-        with self.asking(f"downloading {path} of {self.repo_id} at {commit[:12]}"):
-            got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=dest.parent / ".hub"))
-        shutil.move(got, dest)
+        # The client checks only the size of what it downloads; pull verifies every checksum afterwards. It downloads
+        # beside the work folder, not in it: it leaves its bookkeeping (.cache/huggingface/...) in local_dir, and the
+        # signature check refuses a folder holding anything but the version's files.
+        with (self.asking(f"downloading {path} of {self.repo_id} at {commit[:12]}"),
+              tempfile.TemporaryDirectory(dir=dest.parent.parent, prefix=f".hub{TMP_MARK}") as local):
+            got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=local))
+            shutil.move(got, dest)
 
 
 def manifest_beside(rank_dir: Path) -> Path:
