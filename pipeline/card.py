@@ -46,14 +46,15 @@ which). `{example['version']}` unpacks to `/workspace/{example['archive']['root'
 
 
 def render(manifests: list[dict], repo_id: str, source: str | None = None) -> str:
-    """The full README.md for ``manifests`` (one per published version); ``source`` is where ``pull`` finds them
-    (the Hub repo id, or a local publish folder; default ``repo_id``)."""
+    """The full README.md for ``manifests`` (one per published version, the one being published last; its usage
+    block shows that one); ``source`` is where ``pull`` finds them (the Hub repo id, or a local publish folder;
+    default ``repo_id``)."""
+    example = manifests[-1] if manifests else None
     manifests = sorted(manifests, key=lambda m: (m["variant"]["name"], m["version"]))
     base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None)
     if base is None:
         return demo_card(manifests, repo_id)
     rows = "\n".join(_row(m) for m in manifests)
-    example = manifests[-1] if manifests else None
     return f"""---
 license: apache-2.0
 base_model: {base}

@@ -390,7 +390,7 @@ def test_version_names_are_checked_as_git_checks_refs():
     from pipeline.stages.package import version_name
     from pipeline.stages.publish import tag_problem
 
-    ours = [version_name(p.stem, compiler, "0" * 64, fmt)
+    ours = [version_name(p.stem, compiler, "0" * 64, fmt, True)
             for p in (Path(__file__).parent.parent / "conf" / "variant").glob("*.yaml")
             for compiler in ("ncc2.23.6484.0", "cpu-torch2.13.0", "cpu-torch2.9.0rc1", "ncc2.21.18209.0+043b1bf7")
             for fmt in ("tar.zst", "tar.gz", "tar")]

@@ -114,6 +114,28 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     assert Path(pulled.stdout.strip()).name == f"gemma4_tiny-{second}"
 
 
+def test_a_rebuild_that_makes_the_same_rank_files_is_the_same_version_and_publishes_nothing(tmp_path, monkeypatch):
+    """What rebuilds without changing the rank files (the host's Neuron driver packages, simulated in the toolchain
+    record; another compressor library packing the same files into other bytes, simulated by the zstd level) names
+    the same version, and publishing it again makes no commit: a version names its rank files' inputs."""
+    from pipeline import archive
+
+    cfg = config(tmp_path, *FAST_VALIDATE)
+    run(cfg)
+    manifest_path = tmp_path / "gemma4_tiny" / "512_fp32" / "dist" / "manifest.json"
+    first = json.loads(manifest_path.read_text())
+    toolchain = json.loads((tmp_path / "toolchain.json").read_text())
+    toolchain["system_packages"]["aws-neuronx-dkms"] = "2.99.0.0"  # a driver update: rebuilds, same bytes
+    (tmp_path / "toolchain.json").write_text(json.dumps(toolchain))
+    monkeypatch.setattr(archive, "ZSTD_LEVEL", 9)
+    results = [run(cfg, stage)[0] for stage in ("trace", "package", "validate", "publish")]
+    assert [r.status for r in results] == ["ran", "ran", "ran", "skipped"]
+    again = json.loads(manifest_path.read_text())
+    assert again["version"] == first["version"] and again["members"] == first["members"]
+    assert again["archive"]["sha256"] != first["archive"]["sha256"]  # other archive bytes, the same rank files
+    assert _tags(tmp_path) == [first["version"]]
+
+
 # -- the scheduler's decisions ------------------------------------------------------------------------------------
 
 class SimulatedRunner:

@@ -12,7 +12,10 @@ version it replaces.
 What differs from production, and why: the checkpoint is small, so the model's resource figures are small; the
 stand-in runs on this machine's CPU; SDK 2.29 refuses host prefill unless allowed, so the checkout allows it (as a
 team building host-prefill variants there would have to); the regression tolerances are wide, as CPU timings on a
-shared 2-core machine swing by tens of percent between runs.
+shared 2-core machine swing by tens of percent between runs; uploads take the Hub's LFS path (the test Hub cannot
+store Xet chunks: tests/hubserver.py says why; its Xet token route is tested in tests/test_hub.py); and the upgrade is
+the stand-in SDK reinstalled at the new release, as `check-upgrades --apply` leaves a host (that install itself is
+tests/test_upgrades.py's).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import BuildError
 from pipeline.fsutil import TMP_MARK
 
 # Rewritten by the writer itself: the format version (set from the original with set_min_version) and the digest of
@@ -50,19 +51,23 @@ def strip_debug_records(path: Path) -> bool:
     names = reader.get_all_records()
     if not any(is_debug_record(n) for n in names):
         return False
+    kept = [n for n in names if not is_debug_record(n) and n not in WRITTEN_BY_WRITER]
     tmp = path.with_name(f".{path.name}{TMP_MARK}strip")
     try:
         with open(tmp, "wb") as f:
             writer = torch._C.PyTorchFileWriter(f)  # a stream: the archive is named "archive", as torch.jit.save does
             writer.set_min_version(format_version(reader))
-            for name in names:
-                if is_debug_record(name) or name in WRITTEN_BY_WRITER:
-                    continue
+            for name in kept:
                 data = reader.get_record(name)  # one record in memory at a time (a weight, a NEFF)
                 writer.write_record(name, data, len(data))
             writer.write_end_of_file()
             f.flush()
             os.fsync(f.fileno())
+        rewritten = torch._C.PyTorchFileReader(str(tmp))  # whole, and holding every record kept, before it replaces
+        missing = set(kept) - set(rewritten.get_all_records())
+        if missing or format_version(rewritten) != format_version(reader):
+            raise BuildError(f"rewriting {path} without its debug records lost {sorted(missing)[:5]}: the original "
+                             "is left as it was")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

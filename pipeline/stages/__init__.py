@@ -29,7 +29,7 @@ CODE = {
     "trace": ("stages/trace.py", "recipe", "backends"),
     "package": ("stages/package.py", "archive.py", "manifest.py", "signing.py"),
     "validate": ("stages/validate.py", "validation.py", "generation.py", "parity.py", "prompts.py", "archive.py",
-                 "signing.py", "recipe", "backends"),
+                 "manifest.py", "signing.py", "recipe", "backends"),
     "publish": ("stages/publish.py", "card.py", "regression.py", "manifest.py", "signing.py", "archive.py",
                 "localrepo.py", "hub.py"),
 }

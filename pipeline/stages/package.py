@@ -27,22 +27,27 @@ from pipeline.stages import trace as trace_stage
 INPUTS_DIGITS = 8  # 32 bits: a clash among the few builds of one variant and compiler is out of reach
 
 
-def version_name(variant: str, compiler_id: str, build_fingerprint: str, archive_format: str) -> str:
+def version_name(variant: str, compiler_id: str, inputs_digest: str, archive_format: str, signed: bool) -> str:
     """``<variant>-<compiler>-<inputs>``, e.g. ``2048_bf16-ncc2.23.6484.0-1f0c9a7e``.
 
-    ``<inputs>`` is the start of a digest of everything that decides the archive's bytes: the build's fingerprint
-    (the checkpoint's content, so its revision; the recipe and backend code; the compiler, its arguments and the
-    toolchain; the shape) and the archive format. A rebuild from changed inputs gets a new version, an unchanged one
-    the same version (re-runs stay idempotent), and a published version never has to move.
+    ``<inputs>`` is the start of a digest of everything that decides the published files: the build's inputs digest
+    (trace.inputs_digest: the checkpoint's content, so its revision; the recipe and the backend's code; the compiler,
+    its arguments and versions; the shape), the archive format and whether it is signed (a version published
+    unsigned stays so; signing a build of it is another version). A rebuild from changed inputs gets a new version,
+    an unchanged one the same version (re-runs stay idempotent), and a published version never has to move.
     """
-    inputs = fingerprint({"build": build_fingerprint, "format": archive_format})[:INPUTS_DIGITS]
+    inputs = fingerprint({"build": inputs_digest, "format": archive_format, "signed": signed})[:INPUTS_DIGITS]
     return f"{variant}-{compiler_id}-{inputs}"
 
 
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     build = trace_stage.load(cfg)
-    version = version_name(cfg.variant.name, build["compiler"]["id"], build["fingerprint"], cfg.package.format)
+    if "inputs_digest" not in build:
+        raise IntegrityError(f"{Paths.of(cfg).build_record} predates versions that name their inputs: rerun "
+                             "stage=trace")
+    version = version_name(cfg.variant.name, build["compiler"]["id"], build["inputs_digest"], cfg.package.format,
+                           bool(cfg.package.signing.private_key))
     root = f"{cfg.model.name}-{version}"
     fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
                       "created_by": __version__, "signed": bool(cfg.package.signing.private_key),

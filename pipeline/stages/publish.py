@@ -95,8 +95,8 @@ def require_valid_tag(version: str) -> None:
     """A version is published as a tag: a name git (and the Hub) would refuse is refused before any request."""
     problem = tag_problem(version)
     if problem:
-        raise PublishError(f"version {version!r} cannot be a tag ({problem}): its variant and compiler id make it; "
-                           "nothing was published")
+        raise PublishError(f"version {version!r} cannot be a tag ({problem}): its variant's name and compiler id "
+                           "make it; nothing was published")
 
 
 def require_same_model(manifest: dict, published: list[dict], repo_id: str) -> None:
@@ -144,7 +144,7 @@ def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict, priva
 
 
 def folder_of(version: str, folders: set[str]) -> str | None:
-    """The variant folder of a version (``<variant>-<compiler>`` lives under ``<variant>/``)."""
+    """The variant folder of a version (``<variant>-<compiler>-<inputs>`` lives under ``<variant>/``)."""
     matches = [f for f in folders if version.startswith(f + "-")]
     return max(matches, key=len) if matches else None
 
@@ -165,9 +165,17 @@ def published_manifests(target, exclude: str) -> list[dict]:
     return out
 
 
-def publish_version(target, version: str, variant: str, prepare, archive_sha256: str, repo_id: str,
-                    source: str) -> dict:
-    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on the archive's bytes.
+def same_build(theirs: dict, ours: dict) -> bool:
+    """The same rank files in the same archive format. Not the archive's sha256: the compressor's library version
+    may pack the same files into other bytes, and the version names the files, not the compressor."""
+    def key(m: dict):
+        return m.get("members"), m.get("archive", {}).get("format")
+
+    return key(theirs) == key(ours)
+
+
+def publish_version(target, version: str, variant: str, prepare, ours: dict, repo_id: str, source: str) -> dict:
+    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build).
 
     ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
     returns ``(files, manifest)`` to publish (it may refuse: the regression gate). Returns
@@ -177,16 +185,15 @@ def publish_version(target, version: str, variant: str, prepare, archive_sha256:
     tags = target.tags()
     if version in tags:
         raw = target.read(tags[version], f"{variant}/manifest.json")
-        theirs = (json.loads(raw) if raw else {}).get("archive", {}).get("sha256")
-        if theirs == archive_sha256:
-            log.info("publish: %s is already published at %s (same archive): nothing to do", version,
+        theirs = json.loads(raw) if raw else {}
+        if same_build(theirs, ours):
+            log.info("publish: %s is already published at %s (the same rank files): nothing to do", version,
                      tags[version][:12])
             return {"commit": tags[version], "created": False}
-        raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) with another "
-                           f"archive (sha256 {str(theirs)[:12]}, this build's is {archive_sha256[:12]}): the same "
-                           "inputs gave different bytes, so something that decides them is missing from the build "
-                           "fingerprint (stages/trace.py, build_fingerprint). A published version is never replaced; "
-                           "nothing was published")
+        raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) with other rank "
+                           "files: the same inputs gave different bytes, so something that decides them is missing "
+                           "from the version's inputs (stages/trace.py, inputs_digest). A published version is never "
+                           "replaced; nothing was published")
     head = target.head()
     raw = target.read(head, f"{variant}/manifest.json")
     files, manifest = prepare(json.loads(raw) if raw else None)
@@ -224,8 +231,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
     def publish(target, source: str) -> dict:
-        return publish_version(target, version, cfg.variant.name, prepare, manifest["archive"]["sha256"],
-                               pub.repo_id, source)
+        return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source)
 
     if pub.target == "local":
         repo_dir = paths.root / pub.local_dir

@@ -26,7 +26,7 @@ from pipeline.fsutil import atomic_write_json, clean_stale_temps
 from pipeline.log import log
 from pipeline.paths import Paths
 from pipeline.preflight import GIB
-from pipeline.records import fingerprint, read_record, require_record
+from pipeline.records import code_digest, fingerprint, read_record, require_record
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
@@ -108,6 +108,39 @@ def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, 
     })
 
 
+# The code that makes a backend's rank files: what the version's inputs digest hashes. The build fingerprint hashes all
+# of CODE["trace"] (any backend's code, as dvc.yaml does), so an edit anywhere there rebuilds; only an edit here can
+# make other bytes, and so a new version.
+BUILD_CODE = {
+    "cpu": ("recipe", "backends/base.py", "backends/torchscript.py", "backends/cpu.py"),
+    "neuron": ("recipe", "backends/base.py", "backends/torchscript.py", "backends/neuron.py",
+               "backends/neuron_rank.py"),
+}
+# The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not).
+BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
+
+
+def inputs_digest(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
+    """Digest of exactly what decides the rank files' bytes; the version names its start (package.version_name).
+
+    Narrower than the build fingerprint, which also rebuilds on what only might change them (the host's Neuron system
+    packages, another backend's code, transformers): such a rebuild gives the same files under the same version, and
+    publishing it is a no-op.
+    """
+    versions = compiler_versions(toolchain)
+    return fingerprint({
+        "weights": model_record["weights_digest"],
+        "text_prefix": cfg.model.text_prefix,
+        "head_key": cfg.model.head_key,
+        "shape": asdict(cfg.variant.shape),
+        "backend": backend,
+        "compiler_args": compiler_args(cfg, backend),
+        "compiler_env": compiler_env() if backend == "neuron" else {},
+        "packages": {name: versions.get(name) for name in BUILD_PACKAGES},
+        "code": code_digest(*BUILD_CODE[backend]),
+    })
+
+
 def is_built(paths: Paths, fp: str) -> bool:
     record = read_record(paths.build_record)
     if not record or record.get("fingerprint") != fp or not paths.build.is_dir():
@@ -143,6 +176,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     traced = impl.trace(req, paths.build)
     atomic_write_json(paths.build_record, {
         "fingerprint": fp,
+        "inputs_digest": inputs_digest(cfg, model_record, toolchain, backend),
         "variant": asdict(cfg.variant),
         "backend": backend,
         "layout": traced["layout"],
