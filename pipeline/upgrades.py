@@ -20,14 +20,17 @@ deploy/rebuild.sh acts on:
     4  the repository offers a version newer than every row of the table (a Neuron release this pipeline does not
        know yet): add its row to pipeline/backends/neuron_sdk.py from Neuron's n2-manifest.json. Nothing is
        installed, even with --apply, until the table knows the newest release (one rebuild, straight to it).
-    1  error: the repository does not answer or has no page for a package, pip failed, or the installed packages are
-       not one release of the table (a mix or unknown versions; ``--apply`` replaces them with the target release)
+    1  error: the repository does not answer or has no page for a package, pip failed, the installed packages are
+       not one release of the table (a mix or unknown versions; ``--apply`` replaces them with the target release),
+       or ``--apply`` would install a package the Neuron repository serves from a file not listed there
     2  bad arguments
 
-``--apply`` installs the target release's files from the Neuron repository (all four packages in one pip command),
-then runs the rebuild command (default ``dvc repro``): the toolchain stage records the new versions, and DVC re-runs
-trace, package, validate and publish for every variant, while the model and reference stay cached. It exits with
-the rebuild's status (0 when nothing needed upgrading).
+``--apply`` installs the target release's files from the Neuron repository (all four packages in one pip command,
+with their dependencies as a dry run resolved them: any the Neuron repository serves, such as
+aws-neuronx-runtime-discovery, only from a file on its page, or nothing is installed; see ``install``), then runs
+the rebuild command (default ``dvc repro``): the toolchain stage records the new versions, and DVC re-runs trace,
+package, validate and publish for every variant, while the model and reference stay cached. It exits with the
+rebuild's status (0 when nothing needed upgrading).
 
     python -m pipeline check-upgrades
     python -m pipeline check-upgrades --apply
@@ -138,15 +141,20 @@ def unreachable(index: str, page: str, reason: object) -> UpgradeCheckError:
         "for the Neuron packages, and nothing was installed")
 
 
-def read_page(index: str, name: str) -> str:
+def read_page(index: str, name: str, absent_ok: bool = False) -> str | None:
+    """The repository's page for ``name``; an absent page (HTTP 404, no file) is an error, or None if ``absent_ok``.
+    Only a 404 is absence: any other failure says nothing about the page, so it is an error either way."""
     page = project_page(index, name)
+    absent = UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}): is it a mirror of the "
+                               "Neuron repository?")
     if urlparse(page).scheme == "file":  # as pip reads a file:// index: a directory's index.html
         root, path = Path(url2pathname(urlparse(index).path)), Path(url2pathname(urlparse(page).path))
         if not root.is_dir():
             raise unreachable(index, page, "no such directory")
         if not (path / "index.html").is_file():
-            raise UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}): is it a mirror "
-                                    "of the Neuron repository?")
+            if absent_ok:
+                return None
+            raise absent
         return (path / "index.html").read_text()
     request = urllib.request.Request(page, headers={"Accept": "text/html"})
     try:
@@ -154,8 +162,9 @@ def read_page(index: str, name: str) -> str:
             return response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}: HTTP 404): is it "
-                                    "a mirror of the Neuron repository?") from exc
+            if absent_ok:
+                return None
+            raise absent from exc
         raise unreachable(index, page, f"HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError) as exc:  # refused, unresolvable, TLS, timeout
         raise unreachable(index, page, getattr(exc, "reason", exc)) from exc
@@ -173,10 +182,14 @@ def file_version(name: str, filename: str) -> str | None:
     return str(version) if project == canonicalize_name(name) else None
 
 
-def offers(index: str, name: str) -> list[Offer]:
+def offers(index: str, name: str, absent_ok: bool = False) -> list[Offer] | None:
+    """The files on the repository's page for ``name`` (None: no such page, if ``absent_ok``)."""
     page = project_page(index, name)
+    text = read_page(index, name, absent_ok)
+    if text is None:
+        return None
     parser = _Anchors()
-    parser.feed(read_page(index, name))
+    parser.feed(text)
     found = []
     for href, yanked in parser.links:
         url = urljoin(page, href)
@@ -356,20 +369,68 @@ def chosen_files(python: str | None, index: str, versions: dict[str, str], avail
     return {n: files[canonicalize_name(n)] for n in versions}
 
 
+def resolve(python: str | None, args: list[str], what: str) -> list[dict]:
+    """What ``pip <args>`` (an install) would install, as its ``--report`` lists it, installing nothing."""
+    with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
+        report = Path(tmp) / "report.json"
+        run_pip(python, [*args, "--dry-run", "--report", str(report)], what)
+        return json.loads(report.read_text()).get("install", [])
+
+
+def checked_pins(index: str, chosen: list[dict], available: dict[str, list[Offer]]) -> list[str]:
+    """One requirement per file of pip's resolution ``chosen``, pinned to it: a package the Neuron repository serves
+    (it has a page for the name) as ``name @ url``, and only if that URL is listed on its page; any other package as
+    pip chose it through your pip settings (``name==version``, or its direct URL if it came as one)."""
+    pins = []
+    for item in chosen:
+        name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
+        url = item["download_info"]["url"]
+        served = available.get(name)
+        if served is None:
+            served = offers(index, name, absent_ok=True)
+        if served is None:  # no page: not a Neuron package
+            pins.append(f"{name} @ {url}" if item.get("is_direct") else f"{name}=={version}")
+            continue
+        own = {unquote(urldefrag(o.url).url): o.url for o in served}
+        if unquote(urldefrag(url).url) not in own:
+            raise UpgradeCheckError(
+                f"pip would install {name} {version} from {url}, which is not a file of the Neuron repository {index} "
+                f"although that repository serves {name} ({project_page(index, name)}): most likely a higher version "
+                "on another of your indexes (pip takes the highest from any index). Nothing was installed; "
+                f"remove that index from your pip settings or find out who published {name} {version} there")
+        pins.append(f"{name} @ {own[unquote(urldefrag(url).url)]}")
+    return pins
+
+
 def install(python: str | None, index: str, plan_: Plan, available: dict[str, list[Offer]]) -> None:
     """Install the target release whole, each Neuron package from its file on the Neuron repository.
 
     The four are direct references (``name @ url``, PEP 440), so pip takes them from that URL (or keeps the same
     file installed) and asks no index for them: a project with an explicit URL requirement gets no candidates from
     the finder (pip's resolver, resolution/resolvelib/factory.py ``_iter_found_candidates``), and any other
-    requirement on it must be satisfied by that file. Only their ordinary dependencies (torch, numpy, ...) resolve
-    through your pip settings, plus the Neuron repository for the runtime packages only it serves.
+    requirement on it must be satisfied by that file. Their dependencies resolve through your pip settings plus the
+    Neuron repository, and some of those are Neuron packages too (torch-neuronx requires aws-neuronx-runtime-discovery,
+    which only the Neuron repository serves): pip gives no index priority, ``--extra-index-url`` ones included, and
+    takes the highest version from any of them (pip's docs, "pip install" --extra-index-url, and "Secure installs",
+    "Dependency confusion"), so a higher upload of such a name to PyPI would win.
+
+    Hence two steps. First the install is resolved as a dry run (``--dry-run --report``, the same arguments), and
+    every package it would install whose name the Neuron repository serves must come from a file listed on that
+    repository's page for the name, or nothing is installed. Then exactly that resolution is installed, each file
+    pinned (``--no-deps``: pip adds no package the dry run did not list, so a second resolution that came out
+    differently, say after an upload in between, cannot bring in a package nobody checked). The Neuron packages are
+    pinned by URL, so pip cannot take them from anywhere else; the others (torch, numpy, ...) by version, still from
+    your pip settings as before.
     """
     files = chosen_files(python, index, plan_.target, available)
+    chosen = resolve(python, ["install", "--upgrade-strategy", "only-if-needed", "--extra-index-url", index,
+                              *[f"{name} @ {url}" for name, url in files.items()]],
+                     f"resolving release {plan_.target_release}")
+    pins = checked_pins(index, chosen, {canonicalize_name(n): files for n, files in available.items()})
     print(f"installing release {plan_.target_release}: "
           + " ".join(f"{n}=={v}" for n, v in plan_.target.items()), flush=True)
-    run_pip(python, ["install", "--upgrade-strategy", "only-if-needed", "--extra-index-url", index,
-                     *[f"{name} @ {url}" for name, url in files.items()]], "installing the release")
+    if pins:  # empty when every file is installed already
+        run_pip(python, ["install", "--no-deps", "--extra-index-url", index, *pins], "installing the release")
     now = installed_versions(python)
     wrong = {n: v for n, v in now.items() if not same_release(v, plan_.target[n])}
     if wrong:

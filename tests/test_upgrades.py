@@ -35,12 +35,15 @@ def row(release: str, torch: str = "2.8.0") -> dict[str, str]:
     return {name: hashed(v) for name, v in upgrades.row_versions(neuron_sdk.release(release), torch).items()}
 
 
-def wheel(directory: Path, name: str, version: str) -> Path:
-    """A minimal pure-Python wheel of ``name`` ``version`` (metadata, one module, RECORD)."""
+def wheel(directory: Path, name: str, version: str, requires: list[str] | None = None) -> Path:
+    """A minimal pure-Python wheel of ``name`` ``version`` (metadata with ``requires`` as Requires-Dist, one module,
+    RECORD)."""
     dist = name.replace("-", "_")
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires or [])
     files = {
         f"{dist}_stand_in/__init__.py": f"__version__ = {version!r}\n",
-        f"{dist}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}-{version}.dist-info/METADATA": metadata,
         f"{dist}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
                                              "Tag: py3-none-any\n",
     }
@@ -57,30 +60,34 @@ def wheel(directory: Path, name: str, version: str) -> Path:
     return out
 
 
-def simple_index(root: Path, releases: dict[str, list[str]]) -> str:
-    """A PEP 503 simple index under ``root``; returns its file:// URL."""
+def simple_index(root: Path, releases: dict[str, list[str]], requires: dict[str, list[str]] | None = None) -> str:
+    """A PEP 503 simple index under ``root`` (every wheel of a name in ``requires`` requiring those); returns its
+    file:// URL."""
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     names = []
     for name, versions in releases.items():
         project = root / "simple" / name
         project.mkdir(parents=True, exist_ok=True)
-        links = [f'<a href="{wheel(wheels, name, v).as_uri()}">{name}-{v}</a>' for v in versions]
+        links = [f'<a href="{wheel(wheels, name, v, (requires or {}).get(name)).as_uri()}">{name}-{v}</a>'
+                 for v in versions]
         (project / "index.html").write_text("<!DOCTYPE html><html><body>\n" + "\n".join(links) + "\n</body></html>\n")
         names.append(f'<a href="{name}/">{name}</a>')
     (root / "simple" / "index.html").write_text("<html><body>" + "".join(names) + "</body></html>\n")
     return (root / "simple").as_uri()
 
 
-def neuron_index(root: Path, releases: list[str], extra: dict[str, list[str]] | None = None) -> str:
-    """A stand-in Neuron repository offering whole rows of the table (every torch build) plus ``extra`` versions."""
+def neuron_index(root: Path, releases: list[str], extra: dict[str, list[str]] | None = None,
+                 requires: dict[str, list[str]] | None = None) -> str:
+    """A stand-in Neuron repository offering whole rows of the table (every torch build) plus ``extra`` versions (of
+    other packages too)."""
     offered: dict[str, list[str]] = {name: [] for name in neuron_sdk.PACKAGES}
     for name, versions in (extra or {}).items():
-        offered[name] += versions
+        offered.setdefault(name, []).extend(versions)
     for release in releases:
         for name, versions in neuron_sdk.release(release).versions().items():
             offered[name] += [hashed(v) for v in versions if hashed(v) not in offered[name]]
-    return simple_index(root, offered)
+    return simple_index(root, offered, requires)
 
 
 def public_index(root: Path, version: str) -> str:
@@ -192,6 +199,31 @@ def test_a_higher_public_version_loses_to_the_neuron_repository(env, tmp_path, m
     applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", "true")
     assert applied.returncode == upgrades.UP_TO_DATE, applied.stdout + applied.stderr
     assert upgrades.installed_versions(env) == row("2.28.1")
+
+
+def test_a_dependency_only_the_neuron_repository_serves_comes_from_it_or_nothing_is_installed(env, tmp_path,
+                                                                                             monkeypatch):
+    # torch-neuronx requires aws-neuronx-runtime-discovery, which only the Neuron repository serves (2.9). pip.conf in
+    # production reads PyPI first and the Neuron repository as an extra index; a higher upload to PyPI (99.0) would
+    # win in pip (no priority between indexes), so --apply refuses it, naming it, and installs nothing.
+    discovery = "aws-neuronx-runtime-discovery"
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"], {discovery: ["2.9"]},
+                         {"torch-neuronx": [discovery]})
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
+    marker, rebuild = rebuild_marker(tmp_path)
+    hostile = simple_index(tmp_path / "hostile", {discovery: ["99.0"]})
+    monkeypatch.setenv("PIP_INDEX_URL", hostile)
+    refused = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
+    assert refused.returncode == upgrades.ERROR, refused.stdout + refused.stderr
+    assert f"pip would install {discovery} 99.0 from {tmp_path.as_uri()}/hostile/" in refused.stderr
+    assert "Nothing was installed" in refused.stderr and not marker.exists()
+    assert upgrades.installed_versions(env, [*neuron_sdk.PACKAGES, discovery]) == {**row("2.26.1"), discovery: None}
+    # PyPI's placeholder (lower) or nothing: the Neuron repository's 2.9 is installed with the release.
+    monkeypatch.setenv("PIP_INDEX_URL", simple_index(tmp_path / "public", {discovery: [PLACEHOLDER]}))
+    applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
+    assert applied.returncode == upgrades.UP_TO_DATE, applied.stdout + applied.stderr
+    assert upgrades.installed_versions(env, [*neuron_sdk.PACKAGES, discovery]) == {**row("2.28.1"), discovery: "2.9"}
+    assert marker.read_text() == "yes"
 
 
 def test_a_release_newer_than_the_table_is_reported_and_nothing_installed(env, tmp_path):
