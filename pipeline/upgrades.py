@@ -142,8 +142,11 @@ def unreachable(index: str, page: str, reason: object) -> UpgradeCheckError:
 
 
 def read_page(index: str, name: str, absent_ok: bool = False) -> str | None:
-    """The repository's page for ``name``; an absent page (HTTP 404, no file) is an error, or None if ``absent_ok``.
-    Only a 404 is absence: any other failure says nothing about the page, so it is an error either way."""
+    """The repository's page for ``name``; an absent page (HTTP 404 or 403, no file) is an error, or None if
+    ``absent_ok``. A 403 counts as absent because the Neuron repository is a static S3 site, and S3 answers 403, not
+    404, for a key it does not hold when listing is not allowed; pip too takes a 403 page as "no such project"
+    (pip/_internal/index/collector.py logs it and moves on). A repository that serves a name answers 200 for it, so
+    no one else can make a served name look absent. Any other failure says nothing about the page: an error."""
     page = project_page(index, name)
     absent = UpgradeCheckError(f"the Neuron repository {index} has no page for {name} ({page}): is it a mirror of the "
                                "Neuron repository?")
@@ -161,7 +164,7 @@ def read_page(index: str, name: str, absent_ok: bool = False) -> str | None:
         with urllib.request.urlopen(request, timeout=PAGE_TIMEOUT_S) as response:
             return response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
-        if exc.code == 404:
+        if exc.code in (403, 404):
             if absent_ok:
                 return None
             raise absent from exc
