@@ -176,7 +176,7 @@ def test_other_bytes_under_a_published_version_are_refused_and_the_version_never
     run(cfg, "validate")
     tags, commits = dict(hub.repos[REPO_ID].tags), len(hub.repos[REPO_ID].commits)
     local = snapshot(root)
-    with pytest.raises(PublishError, match=f"version {VERSION} is already published .* with another archive .*"
+    with pytest.raises(PublishError, match=f"version {VERSION} is already published .* from another build .*"
                                            "A published version is never replaced; nothing was published"):
         run(cfg, "publish")
     assert len(hub.repos[REPO_ID].commits) == commits and hub.repos[REPO_ID].tags == tags

@@ -190,10 +190,10 @@ def publish_version(target, version: str, variant: str, prepare, ours: dict, rep
             log.info("publish: %s is already published at %s (the same rank files): nothing to do", version,
                      tags[version][:12])
             return {"commit": tags[version], "created": False}
-        raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) with other rank "
-                           "files: the same inputs gave different bytes, so something that decides them is missing "
-                           "from the version's inputs (stages/trace.py, inputs_digest). A published version is never "
-                           "replaced; nothing was published")
+        raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) from another build "
+                           "(its rank files or archive format differ): the same inputs gave different files, so "
+                           "something that decides them is missing from the version's inputs (stages/trace.py, "
+                           "inputs_digest). A published version is never replaced; nothing was published")
     head = target.head()
     raw = target.read(head, f"{variant}/manifest.json")
     files, manifest = prepare(json.loads(raw) if raw else None)
