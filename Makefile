@@ -20,7 +20,8 @@ VENV_LOWEST ?= .venv-lowest
 # The recipe, the cpu backend, the reference, validation and one variant end to end; and the neuron backend on the
 # stand-in SDK and its contract checks (an inf2 host runs torch 2.8).
 VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
-                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
+                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py \
+                 tests/test_reproducible.py
 
 .PHONY: demo test test-full test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
 
