@@ -7,8 +7,8 @@ folder (an older version's archive) leaves the head in the same commit; tags kee
 
 Only a validated artifact goes out: its validation must have passed every gate for exactly this archive, and the
 archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version already
-published with the same archive bytes makes no commit and no tag. A version names its inputs (package.version_name), so
-a rebuild from changed inputs is a new version; an existing version is never moved, and different bytes under a
+published with the same rank files makes no commit and no tag. A version names its inputs (package.version_name), so a
+rebuild from changed inputs is a new version; an existing version is never moved, and other rank files under a
 published version (a build that is not reproducible) are refused. A rebuild is compared with the last published version
 of its variant first and refused if it regressed (pipeline/regression.py; ``publish.allow_regression=true`` overrides,
 and the comparison is recorded in the published manifest). Targets: ``local`` (a git repository laid out as the Hub
