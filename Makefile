@@ -18,10 +18,11 @@ TORCH_INDEX ?=
 VENV_PRODUCTION ?= .venv-production
 VENV_LOWEST ?= .venv-lowest
 # The recipe, the cpu backend, the reference, validation and one variant end to end; and the neuron backend on the
-# stand-in SDK and its contract checks (an inf2 host runs torch 2.8).
+# stand-in SDK and its contract checks (an inf2 host runs torch 2.8); and, marked slow, the same bytes from two
+# checkouts (each torch's TorchScript writer).
 VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
-                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py \
-                 tests/test_reproducible.py
+                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
+VERSION_SLOW_TESTS := tests/test_reproducible.py
 
 .PHONY: demo test test-full test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
 
@@ -52,9 +53,11 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
 
 test-production: $(VENV_PRODUCTION)/.installed
 	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
+	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
 
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
 
 # Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
 constraints: $(VENV)/.installed
@@ -68,10 +71,12 @@ constraints: $(VENV)/.installed
 		--python-platform x86_64-manylinux_2_28 --no-emit-package gemma4-neuron-pipeline -o constraints-lowest.txt
 	rm -f .production-input.txt
 
-# The production path rehearsed (tests/test_rehearsal.py, about 2 minutes): deploy/rebuild.sh on a checkout set up for
-# release (E4B's checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote).
+# The production path rehearsed (tests/test_rehearsal.py): deploy/rebuild.sh on a checkout set up for release (E4B's
+# checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote); with the other
+# production-path checks too slow for `make test`: the same bytes from two checkouts, DVC through a compiler upgrade.
+# About 5 minutes.
 test-rehearsal: $(VENV)/.installed
-	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py
+	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py tests/test_reproducible.py tests/test_dvc.py
 
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q -m ""

@@ -267,6 +267,7 @@ def neuron_repo(tmp_path_factory) -> Path:
                          backend="neuron")
 
 
+@pytest.mark.slow  # `make test-rehearsal`; the rehearsal checks the same on the production settings
 def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing_else(neuron_repo, tmp_path):
     site = tmp_path / "neuron-sdk"
     first = dvc(neuron_repo, "repro", env=neuron_env(site, UPGRADE[0]))

@@ -12,7 +12,11 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from pipeline import manifest as manifest_mod
+
+pytestmark = pytest.mark.slow  # `make test-rehearsal`, and under the production and lowest versions
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("toolchain", "model", "trace", "package")
