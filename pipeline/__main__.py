@@ -25,13 +25,13 @@ log = logging.getLogger("pipeline")
 
 
 def run_pipeline(cfg) -> list:
-    from pipeline.config import SHARED_STAGES, STAGES, available_variants
+    from pipeline.config import available_variants
     from pipeline.errors import ConfigError
-    from pipeline.locking import held, stage_lock_name
-    from pipeline.stages import module
+    from pipeline.locking import held
+    from pipeline.stages import BY_NAME, ORDER, SHARED, module
 
-    stages = list(STAGES) if cfg.stage == "all" else [cfg.stage]
-    if cfg.variant is None and any(s not in SHARED_STAGES for s in stages):
+    stages = list(ORDER) if cfg.stage == "all" else [cfg.stage]
+    if cfg.variant is None and any(s not in SHARED for s in stages):
         names = ", ".join(available_variants(CONF_DIR))
         raise ConfigError(f"stage {cfg.stage!r} builds one variant: add +variant=NAME (one of {names}), or "
                           f"--multirun '+variant=glob(*)' for all of them")
@@ -41,7 +41,7 @@ def run_pipeline(cfg) -> list:
         began = time.monotonic()
         # Several runs may share artifacts_dir (a multirun launcher, the scheduler, two shells): a stage waits for
         # another run of itself, then skips by fingerprint.
-        with held(cfg.root, stage_lock_name(name, cfg.model.name, cfg.variant.name if cfg.variant else None)):
+        with held(cfg.root, BY_NAME[name].lock_name(cfg.model.name, cfg.variant.name if cfg.variant else None)):
             result = module(name).run(cfg)
         result.seconds = time.monotonic() - began
         log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)

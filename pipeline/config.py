@@ -18,10 +18,9 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from pipeline.backends.base import DTYPES, PREFILL_MODES, BuildShape
 from pipeline.errors import ConfigError
+from pipeline.stages import ORDER as STAGE_ORDER
 from pipeline.tiny_model import TinyModelConfig
 
-STAGES = ("toolchain", "model", "reference", "trace", "package", "validate", "publish")
-SHARED_STAGES = ("toolchain", "model", "reference")  # need no variant
 BACKENDS = ("auto", "cpu", "neuron")
 MODEL_SOURCES = ("tiny", "hub")
 PUBLISH_TARGETS = ("local", "hub")
@@ -476,7 +475,7 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found += _choice("publish.regression.throughput_backends entry", backend, ("cpu", "neuron"))
     if reg.ttft_ms_rise < 0:
         found.append(f"publish.regression.ttft_ms_rise={reg.ttft_ms_rise} must not be negative")
-    found += _choice("stage", cfg.stage, ("all",) + STAGES)
+    found += _choice("stage", cfg.stage, ("all",) + STAGE_ORDER)
     if cfg.preflight.make_swap is not None:
         from pipeline.preflight import parse_size
 

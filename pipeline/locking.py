@@ -80,11 +80,3 @@ def held(root: Path, name: str, timeout_s: float | None = None) -> Iterator[None
             owner.write_text("")
         lock.release()
 
-
-def stage_lock_name(stage: str, model: str, variant: str | None) -> str:
-    """The lock a stage holds: what it writes decides who it must exclude."""
-    if stage == "toolchain":
-        return "toolchain"
-    if stage in ("model", "reference"):
-        return model
-    return f"{model}-{variant}"

@@ -43,8 +43,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from pipeline.log import log
+from pipeline.stages import phases
 
-PHASES = (("build", ("trace", "package")), ("validate", ("validate",)), ("publish", ("publish",)))
 PRIORITY = {"publish": 0, "validate": 1, "build": 2}  # finish started variants before starting new ones
 GIB = 1 << 30
 
@@ -80,7 +80,7 @@ def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: in
 
     build = preflight.trace_need(resources, backend, shape, max_parallel, [])
     check = preflight.validate_need(resources, backend, shape)
-    stages = dict(PHASES)
+    stages = phases()  # build: trace, package; validate; publish (pipeline.stages.STAGES)
     # A neuron compile holds its NeuronCores too (its ranks initialise the runtime; ModelBuilder loads the weights
     # onto the cores at the end of its trace), so a compile and a validate share the cores as two validates do.
     port = "trace-port" if backend == "neuron" and shape.prefill == "host" else None
@@ -234,9 +234,10 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
 def main(argv: list[str]) -> int:
     from pipeline.__main__ import CONF_DIR, run_pipeline
     from pipeline.backends import resolve
-    from pipeline.config import SHARED_STAGES, available_variants
+    from pipeline.config import available_variants
     from pipeline.errors import ConfigError, PipelineError
     from pipeline.log import quiet_third_party
+    from pipeline.stages import SHARED
 
     parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every variant (backend=cpu model=...)")
@@ -274,7 +275,7 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             return 0
         shared = compose(None, list(args.overrides))
-        for stage in SHARED_STAGES:
+        for stage in SHARED:
             shared.stage = stage
             run_pipeline(shared)
         runner = ForkRunner(configs, first.root / "logs" / "schedule")

@@ -66,13 +66,15 @@ def quicker_validation(dst: Path) -> None:
     (dst / "conf" / "validate" / "default.yaml").write_text(yaml.safe_dump(validate))
 
 
-def test_dvc_yaml_lists_exactly_the_code_each_stage_fingerprints():
-    """One table (pipeline.stages.CODE) says what code a stage runs; dvc.yaml's deps are its copy for `dvc repro`."""
-    from pipeline.stages import CODE, ORDER
+def test_dvc_yaml_has_exactly_the_registrys_stages_and_the_code_each_fingerprints():
+    """One registry (pipeline.stages.STAGES) says which stages there are, in what order, which run per variant and
+    what code each runs; dvc.yaml is its copy for `dvc repro`."""
+    from pipeline.stages import BY_NAME, CODE, ORDER
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     assert list(stages) == list(ORDER)
     for name, stage in stages.items():
+        assert ("foreach" in stage) == (not BY_NAME[name].shared), f"dvc.yaml's {name}: per variant or not"
         deps = (stage.get("do") or stage)["deps"]
         listed = sorted(d.removeprefix("pipeline/") for d in deps if d.startswith("pipeline/"))
         assert listed == sorted(CODE[name]), f"dvc.yaml's {name} deps disagree with pipeline.stages.CODE"

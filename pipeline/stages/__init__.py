@@ -1,4 +1,9 @@
-"""One module per pipeline stage, each with ``run(cfg) -> StageResult``, in the order they run."""
+"""One module per pipeline stage, each with ``run(cfg) -> StageResult``, and the one registry of them (``STAGES``).
+
+Everything that lists or classifies stages reads the registry: the order ``python -m pipeline`` runs them in, which
+need a variant, the lock each holds, the scheduler's phases, the code each fingerprint hashes; dvc.yaml's stages and
+their code deps are its one unavoidable copy, held to it by tests/test_dvc.py.
+"""
 
 from __future__ import annotations
 
@@ -15,24 +20,57 @@ class StageResult:
     details: dict = field(default_factory=dict)
 
 
-ORDER = ("toolchain", "model", "reference", "trace", "package", "validate", "publish")
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    scope: str
+    """What one run of it covers, and so the lock it holds: ``host`` (the toolchain record, one per artifacts
+    folder), ``model`` (the checkpoint and its float reference) or ``variant`` (one build)."""
+    phase: str | None
+    """The scheduler's task it belongs to (``build``, ``validate``, ``publish``); None for the shared stages."""
+    code: tuple[str, ...]
+    """The pipeline code it runs (paths under pipeline/, files or folders). Its fingerprint hashes this code
+    (records.code_digest), so an edit re-runs it under `python -m pipeline`, multirun and `schedule` exactly as
+    dvc.yaml's deps re-run it under `dvc repro`. Shared plumbing (config, paths, logging, file helpers) is left out: it
+    moves files, it does not decide their content, and listing it would rebuild everything on every refactor."""
 
-# The pipeline code each stage runs (paths under pipeline/, files or folders): the one list of it. A stage's fingerprint
-# hashes this code (records.code_digest), so an edit re-runs the stage under `python -m pipeline`, multirun and
-# `schedule` exactly as dvc.yaml's deps re-run it under `dvc repro`; tests/test_dvc.py checks that dvc.yaml lists
-# exactly these. Shared plumbing (config, paths, logging, file helpers) is left out: it moves files, it does not
-# decide their content, and listing it would rebuild everything on every refactor.
-CODE = {
-    "toolchain": ("stages/toolchain.py", "versions.py", "backends/__init__.py"),
-    "model": ("stages/model.py", "tiny_model.py", "texts.py", "recipe/spec.py", "recipe/checkpoint.py"),
-    "reference": ("stages/reference.py", "prompts.py", "parity.py", "texts.py", "recipe/spec.py"),
-    "trace": ("stages/trace.py", "recipe", "backends"),
-    "package": ("stages/package.py", "archive.py", "manifest.py", "signing.py"),
-    "validate": ("stages/validate.py", "validation.py", "generation.py", "parity.py", "prompts.py", "archive.py",
-                 "manifest.py", "signing.py", "recipe", "backends"),
-    "publish": ("stages/publish.py", "card.py", "regression.py", "manifest.py", "signing.py", "archive.py",
-                "localrepo.py", "hub.py"),
-}
+    @property
+    def shared(self) -> bool:
+        """Needs no variant."""
+        return self.scope != "variant"
+
+    def lock_name(self, model: str, variant: str | None) -> str:
+        """The lock it holds: what it writes decides whom it must exclude."""
+        return {"host": "toolchain", "model": model}.get(self.scope, f"{model}-{variant}")
+
+
+STAGES = (  # in the order they run
+    Stage("toolchain", "host", None, ("stages/toolchain.py", "versions.py", "backends/__init__.py")),
+    Stage("model", "model", None, ("stages/model.py", "tiny_model.py", "texts.py", "recipe/spec.py",
+                                   "recipe/checkpoint.py")),
+    Stage("reference", "model", None, ("stages/reference.py", "prompts.py", "parity.py", "texts.py",
+                                       "recipe/spec.py")),
+    Stage("trace", "variant", "build", ("stages/trace.py", "recipe", "backends")),
+    Stage("package", "variant", "build", ("stages/package.py", "archive.py", "manifest.py", "signing.py")),
+    Stage("validate", "variant", "validate", ("stages/validate.py", "validation.py", "generation.py", "parity.py",
+                                              "prompts.py", "archive.py", "manifest.py", "signing.py", "recipe",
+                                              "backends")),
+    Stage("publish", "variant", "publish", ("stages/publish.py", "card.py", "regression.py", "manifest.py",
+                                            "signing.py", "archive.py", "localrepo.py", "hub.py")),
+)
+BY_NAME = {s.name: s for s in STAGES}
+ORDER = tuple(BY_NAME)
+SHARED = tuple(s.name for s in STAGES if s.shared)
+CODE = {s.name: s.code for s in STAGES}
+
+
+def phases() -> dict[str, tuple[str, ...]]:
+    """The scheduler's tasks per variant, in order, and the stages each runs."""
+    out: dict[str, tuple[str, ...]] = {}
+    for s in STAGES:
+        if s.phase:
+            out[s.phase] = out.get(s.phase, ()) + (s.name,)
+    return out
 
 
 def code_of(stage: str) -> str:
@@ -43,6 +81,6 @@ def code_of(stage: str) -> str:
 def module(name: str):
     import importlib
 
-    if name not in ORDER:
+    if name not in BY_NAME:
         raise ValueError(f"unknown stage {name!r}")
     return importlib.import_module(f"pipeline.stages.{name}")
