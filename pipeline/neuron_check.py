@@ -93,8 +93,8 @@ def compose(artifacts: Path, variant: str | None, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from pipeline.__main__ import CONF_DIR
     from pipeline.config import load_config
+    from pipeline.run import CONF_DIR
 
     args = [f"artifacts_dir={artifacts}", "model=gemma4_tiny", "backend=neuron", "publish=local", *QUICK_VALIDATION,
             *overrides] + ([f"+variant={variant}"] if variant else [])
@@ -103,7 +103,7 @@ def compose(artifacts: Path, variant: str | None, overrides: list[str]):
 
 
 def stages(cfg, names: tuple[str, ...]) -> None:
-    from pipeline.__main__ import run_pipeline
+    from pipeline.run import run_pipeline
 
     for name in names:
         cfg.stage = name

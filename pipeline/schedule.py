@@ -154,8 +154,8 @@ class Scheduler:
 # -- running tasks in forked processes -------------------------------------------------------------------------------
 
 def _task_main(cfg, stages: tuple[str, ...], log_path: str) -> None:
-    from pipeline.__main__ import run_pipeline
     from pipeline.errors import PipelineError
+    from pipeline.run import run_pipeline
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -207,8 +207,8 @@ def compose(variant: str | None, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from pipeline.__main__ import CONF_DIR
     from pipeline.config import load_config
+    from pipeline.run import CONF_DIR
 
     args = ([f"+variant={variant}"] if variant else []) + overrides
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -232,11 +232,11 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from pipeline.__main__ import CONF_DIR, run_pipeline
     from pipeline.backends import resolve
     from pipeline.config import available_variants
     from pipeline.errors import ConfigError, PipelineError
     from pipeline.log import quiet_third_party
+    from pipeline.run import CONF_DIR, run_pipeline
     from pipeline.stages import SHARED
 
     parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=__doc__.split("\n\n")[0])

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from pipeline.__main__ import run_pipeline
 from pipeline.config import PipelineConfig, load_config
+from pipeline.run import run_pipeline
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -8,13 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.backends.neuron_sdk import release_part
 from pipeline.stages import toolchain
 from pipeline.stages.toolchain import (
     neuronx_cc_full_version,
     parse_dpkg_query,
     parse_neuronx_cc_version,
     parse_rpm_query,
-    release_version,
 )
 
 from .helpers import config, run
@@ -48,7 +48,7 @@ aws-neuronx-runtime-lib\t2.27.23.0_8deec4dbf-1
 def test_neuronx_cc_version_output_is_parsed_with_its_build_hash():
     assert parse_neuronx_cc_version(NCC_VERSION) == "2.27.5334.0+f702b353"
     assert parse_neuronx_cc_version("neuronx-cc: command not found") is None
-    assert release_version("2.27.5334.0+f702b353") == "2.27.5334.0" and release_version(None) is None
+    assert release_part("2.27.5334.0+f702b353") == "2.27.5334.0" and release_part(None) is None
 
 
 def test_system_package_listings_are_parsed():

@@ -87,10 +87,10 @@ def shape_problems(shape: BuildShape) -> list[str]:
 
 
 def neuronx_cc_release(toolchain: dict) -> str | None:
-    from pipeline.stages.toolchain import release_version
+    from pipeline.backends.neuron_sdk import release_part
 
     full = (toolchain.get("neuronx_cc") or {}).get("version")
-    return release_version(full) or (toolchain.get("packages", {}).get("neuronx-cc") or {}).get("version")
+    return release_part(full) or (toolchain.get("packages", {}).get("neuronx-cc") or {}).get("version")
 
 
 def classify_failure(text: str) -> str | None:

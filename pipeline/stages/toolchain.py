@@ -67,11 +67,6 @@ def neuronx_cc_full_version() -> tuple[str | None, str | None]:
     return None, None
 
 
-def release_version(full: str | None) -> str | None:
-    """``2.23.6484.0+f702b353`` -> ``2.23.6484.0`` (what a version name carries)."""
-    return None if full is None else full.split("+", 1)[0]
-
-
 # -- aws-neuronx-* system packages ----------------------------------------------------------------------------------
 
 def parse_dpkg_query(output: str) -> dict[str, str]:

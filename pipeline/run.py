@@ -1,0 +1,43 @@
+"""Composing a configuration's stages and running them: what ``python -m pipeline`` (one variant, or each job of a
+multirun), ``schedule`` and ``neuron-check`` call for one configuration.
+
+Each stage runs under its lock (pipeline.stages.STAGES says which), so several runs may share ``artifacts_dir``: a
+stage waits for another run of itself, then skips by fingerprint. Logs what ran and what was up to date.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+log = logging.getLogger("pipeline")
+
+
+def run_pipeline(cfg) -> list:
+    from pipeline.config import available_variants
+    from pipeline.errors import ConfigError
+    from pipeline.locking import held
+    from pipeline.stages import BY_NAME, ORDER, SHARED, module
+
+    stages = list(ORDER) if cfg.stage == "all" else [cfg.stage]
+    if cfg.variant is None and any(s not in SHARED for s in stages):
+        names = ", ".join(available_variants(CONF_DIR))
+        raise ConfigError(f"stage {cfg.stage!r} builds one variant: add +variant=NAME (one of {names}), or "
+                          f"--multirun '+variant=glob(*)' for all of them")
+    results = []
+    started = time.monotonic()
+    for name in stages:
+        began = time.monotonic()
+        # Several runs may share artifacts_dir (a multirun launcher, the scheduler, two shells): a stage waits for
+        # another run of itself, then skips by fingerprint.
+        with held(cfg.root, BY_NAME[name].lock_name(cfg.model.name, cfg.variant.name if cfg.variant else None)):
+            result = module(name).run(cfg)
+        result.seconds = time.monotonic() - began
+        log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)
+        results.append(result)
+    ran = [r.stage for r in results if r.status == "ran"]
+    log.info("done in %.1f s%s: ran %s", time.monotonic() - started,
+             f" ({cfg.variant.name})" if cfg.variant else "", ", ".join(ran) or "nothing (all up to date)")
+    return results
