@@ -72,6 +72,13 @@ def hub_cfg(root: Path, variant: str = "512_fp32", *extra: str, allow_demo: bool
                   variant=variant)
 
 
+def ensure_published(project: Path, variant: str = "512_fp32") -> str:
+    """``variant``'s version on the test Hub (publishing it unless an earlier test did: a no-op then), so that each
+    test passes alone or in any subset; returns the version."""
+    run(hub_cfg(project, variant), "publish")
+    return version_of(project, variant)
+
+
 def snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
             if p.is_file() and "logs" not in p.parts and p.name != "publish.json"}
@@ -104,6 +111,7 @@ def test_first_publish_is_one_commit_and_one_tag(hub, project):
 
 
 def test_publishing_again_makes_no_commit_and_no_tag(hub, project):
+    ensure_published(project)
     repo = hub.repos[REPO_ID]
     commits, tags, calls = len(repo.commits), dict(repo.tags), len(hub.calls)
     run(hub_cfg(project), "publish")
@@ -112,6 +120,7 @@ def test_publishing_again_makes_no_commit_and_no_tag(hub, project):
 
 
 def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, project):
+    ensure_published(project)
     VERSION = version_of(project)
     hub.faults.conflicts = 2  # two 412s: someone else committed meanwhile
     before = len(hub.repos[REPO_ID].commits)
@@ -126,6 +135,7 @@ def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, pr
 
 
 def test_a_failed_upload_then_a_rerun_makes_exactly_one_commit(hub, project, tmp_path):
+    ensure_published(project)
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
     cfg = hub_cfg(root, "512_fp32", "package.format=tar", "publish.retries=2")
@@ -148,6 +158,7 @@ def test_a_failed_upload_then_a_rerun_makes_exactly_one_commit(hub, project, tmp
 
 
 def test_a_lost_commit_response_is_retried_without_a_duplicate_commit(hub, project, tmp_path):
+    ensure_published(project)
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
     cfg = hub_cfg(root, "512_fp32", "package.format=tar.gz")
@@ -165,6 +176,7 @@ def test_other_bytes_under_a_published_version_are_refused_and_the_version_never
                                                                                        monkeypatch):
     """A build that does not reproduce (simulated: another archive named as the published version) is refused;
     there is no way to move a published version."""
+    ensure_published(project)
     from pipeline.stages import package as package_stage
 
     VERSION = version_of(project)
@@ -226,6 +238,7 @@ def test_a_network_error_that_persists_past_the_retries_is_named(project, monkey
 
 
 def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tmp_path):
+    ensure_published(project, "256_bf16_host")
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
            "PATH": "/usr/bin:/bin"}
     version = version_of(project, "256_bf16_host")
@@ -360,7 +373,8 @@ def test_a_full_storage_quota_is_named_and_not_retried(hub, project):
     assert len(hub.repos[repo_id].commits) == 1 and not hub.repos[repo_id].tags
 
 
-def test_the_test_hub_refuses_bad_tags_missing_deletions_and_read_only_writes(hub):
+def test_the_test_hub_refuses_bad_tags_missing_deletions_and_read_only_writes(hub, project):
+    ensure_published(project)
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import BadRequestError, HfHubHTTPError, RemoteEntryNotFoundError
 
@@ -416,6 +430,7 @@ def test_a_version_that_cannot_be_a_tag_is_refused_before_any_request(hub, proje
 
 
 def test_the_projects_cards_pass_the_hubs_metadata_check_and_a_broken_one_is_refused(hub, project, monkeypatch):
+    ensure_published(project)
     from huggingface_hub import CommitOperationAdd, HfApi
 
     from pipeline.card import render
