@@ -75,8 +75,43 @@ def _neuron_check(argv: list[str]) -> int:
     return check_main(argv)
 
 
-SUBCOMMANDS = {"pull": _pull, "generate": _generate, "schedule": _schedule, "check-upgrades": _check_upgrades,
-               "neuron-check": _neuron_check}
+SUBCOMMANDS = {  # name: (entry point, what it does)
+    "pull": (_pull, "fetch a published version (or a variant's newest), verify it, unpack it for serving"),
+    "generate": (_generate, "run a pulled or built version on a prompt (greedy), with its timing"),
+    "schedule": (_schedule, "build many variants at once, as memory and NeuronCores allow"),
+    "check-upgrades": (_check_upgrades, "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
+                                        "then rebuild)"),
+    "neuron-check": (_neuron_check, "the first run on an inf2 host: every layout, built and checked"),
+}
+
+
+def overview() -> str:
+    """What ``--help`` prints before Hydra's own help (the configuration groups and their options)."""
+    from pipeline.stages import ORDER
+
+    lines = ["usage: python -m pipeline [+variant=NAME] [stage=NAME] [KEY=VALUE ...]    build (Hydra overrides)",
+             "       python -m pipeline SUBCOMMAND [ARGS ...]                           (SUBCOMMAND --help for more)",
+             "", "subcommands:"]
+    lines += [f"  {name:<16}{what}" for name, (_, what) in SUBCOMMANDS.items()]
+    lines += ["", "common overrides:",
+              "  +variant=NAME              one variant (conf/variant/); --multirun '+variant=glob(*)' for all",
+              f"  stage=NAME                 one stage: {', '.join(ORDER)} (default: all)",
+              "  model=gemma4_e4b           the real model (default: the embedded tiny one); model.path=DIR for a copy",
+              "  backend=cpu|neuron         (default: auto)      hardware=inf2_8xlarge|inf2_xlarge (default: auto)",
+              "  publish=hub publish.repo_id=ORG/NAME            force=true: rebuild what is up to date", ""]
+    return "\n".join(lines)
+
+
+def not_a_subcommand(word: str) -> str | None:
+    """Why ``word`` (the first argument) is neither a subcommand nor a Hydra override, or None."""
+    import difflib
+
+    if word in SUBCOMMANDS or word.startswith(("-", "+", "~")) or "=" in word:
+        return None
+    close = difflib.get_close_matches(word, list(SUBCOMMANDS), n=1)
+    hint = f": did you mean {close[0]!r}?" if close else ""
+    return (f"python -m pipeline: {word!r} is not a subcommand{hint} Subcommands: {', '.join(SUBCOMMANDS)}; a build "
+            "takes overrides KEY=VALUE (python -m pipeline --help)")
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
@@ -84,9 +119,16 @@ INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped wi
 
 def main() -> None:
     try:
-        if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
-            command = sys.argv.pop(1)
-            sys.exit(SUBCOMMANDS[command](sys.argv[1:]))
+        first = sys.argv[1] if len(sys.argv) > 1 else ""
+        if first in SUBCOMMANDS:
+            sys.argv.pop(1)
+            sys.exit(SUBCOMMANDS[first][0](sys.argv[1:]))
+        problem = not_a_subcommand(first) if first else None
+        if problem:
+            print(problem, file=sys.stderr)
+            sys.exit(2)
+        if first in ("-h", "--help"):
+            print(overview())  # then Hydra's help: the configuration groups and every option
         _hydra_entry()
     except KeyboardInterrupt:
         # One line, not the tracebacks of every frame the interruption passed through: every output is written

@@ -73,3 +73,22 @@ def test_ctrl_c_says_one_line_and_exits_130(tmp_path):
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted: nothing half-written was kept" in rest and "Traceback" not in rest
     assert not (tmp_path / "artifacts" / "gemma4_tiny" / "512_fp32" / "build").exists()
+
+
+def test_help_lists_the_subcommands_and_common_overrides_before_hydras_groups():
+    from pipeline.__main__ import SUBCOMMANDS
+    from pipeline.stages import ORDER
+
+    shown = cli("--help")
+    assert shown.returncode == 0, shown.stderr
+    ours, hydras = shown.stdout.split("== Configuration groups ==")
+    assert all(f"  {name} " in ours for name in SUBCOMMANDS) and ", ".join(ORDER) in ours
+    assert "+variant=NAME" in ours and "python -m pipeline is powered by Hydra" in ours
+    assert "variant: " in hydras and "512_bf16" in hydras
+
+
+def test_a_misspelt_subcommand_is_named_with_the_nearest_one():
+    wrong = cli("pul", "x")
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert "'pul' is not a subcommand: did you mean 'pull'?" in wrong.stderr
+    assert "missing EQUAL" not in wrong.stderr and "Traceback" not in wrong.stderr
