@@ -93,9 +93,10 @@ def compiler_env() -> dict:
     return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")}
 
 
-def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
-    """Everything that determines the rank files' bytes (the variant's name does not; its shape does)."""
-    return fingerprint({
+def build_settings(cfg: PipelineConfig, model_record: dict, backend: str) -> dict:
+    """What both digests below hash: the checkpoint, how it is read, the shape and how it is compiled (the variant's
+    name does not count; its shape does)."""
+    return {
         "weights": model_record["weights_digest"],
         "text_prefix": cfg.model.text_prefix,
         "head_key": cfg.model.head_key,
@@ -103,9 +104,12 @@ def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, 
         "backend": backend,
         "compiler_args": compiler_args(cfg, backend),
         "compiler_env": compiler_env() if backend == "neuron" else {},
-        "toolchain": toolchain,
-        "code": code_of("trace"),
-    })
+    }
+
+
+def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
+    """Everything that may change the rank files' bytes: rebuild when it changes."""
+    return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain, "code": code_of("trace")})
 
 
 # The code that makes a backend's rank files: what the version's inputs digest hashes. The build fingerprint hashes all
@@ -128,14 +132,7 @@ def inputs_digest(cfg: PipelineConfig, model_record: dict, toolchain: dict, back
     publishing it is a no-op.
     """
     versions = compiler_versions(toolchain)
-    return fingerprint({
-        "weights": model_record["weights_digest"],
-        "text_prefix": cfg.model.text_prefix,
-        "head_key": cfg.model.head_key,
-        "shape": asdict(cfg.variant.shape),
-        "backend": backend,
-        "compiler_args": compiler_args(cfg, backend),
-        "compiler_env": compiler_env() if backend == "neuron" else {},
+    return fingerprint(build_settings(cfg, model_record, backend) | {
         "packages": {name: versions.get(name) for name in BUILD_PACKAGES},
         "code": code_digest(*BUILD_CODE[backend]),
     })

@@ -63,7 +63,7 @@ class BaseModelInstance:
     def load_module(self):
         self.module = self.module_cls()
 
-    def get(self, bucket_rank, **kwargs):
+    def get(self, bucket_rank, **kwargs):  # the real signature takes **kwargs too (NxD model_builder.py, v2.28.0)
         return self.module, self.input_output_aliases[0]
 
 
