@@ -17,13 +17,16 @@ HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | files | backend 
           "| parity | signed |\n" + "|---" * 12 + "|")
 
 
+def _files(m: dict) -> str:
+    return ", ".join(f"`{member['path']}`" for member in m["members"])
+
+
 def _row(m: dict) -> str:
     v, val = m["variant"], m.get("validation", {})
     tput, parity = val.get("throughput", {}), val.get("parity", {})
     parity_text = "–" if not parity else f"{'pass' if parity.get('passed') else 'FAIL'} ({parity.get('mode')})"
-    files = ", ".join(f"`{member['path']}`" for member in m["members"])
     return (f"| `{m['version']}` | {v['kv_max']} | {v['bucket']} | {v['dtype']} | {v['prefill']} | {v['tp_degree']} "
-            f"| {files} | {m['backend']} `{m['compiler']['id']}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
+            f"| {_files(m)} | {m['backend']} `{m['compiler']['id']}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
             f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.get('signature') else 'no'} |")
 
 
@@ -42,7 +45,7 @@ python -m pipeline generate /workspace/{example['archive']['root']} --checkpoint
 
 `pull {source} {example['variant']['name']}` takes the newest published version of that variant instead (it says
 which). `{example['version']}` unpacks to `/workspace/{example['archive']['root']}/` holding
-{', '.join(f"`{member['path']}`" for member in example['members'])}."""
+{_files(example)}."""
 
 
 def render(manifests: list[dict], repo_id: str, source: str | None = None) -> str:

@@ -78,13 +78,18 @@ def materialise(cfg: PipelineConfig, into: Path) -> None:
         download(m.hub_id, m.revision, m.allow_patterns, into)
 
 
-def describe(cfg: PipelineConfig, weights: Path, fp: str) -> dict:
-    """Check the checkpoint against its config.json and record what it is."""
+def file_digests(weights: Path) -> dict:
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(weights.iterdir())
+            if p.is_file()}
+
+
+def describe(cfg: PipelineConfig, weights: Path, fp: str, files: dict | None = None) -> dict:
+    """Check the checkpoint against its config.json and record what it is (``files``: its file_digests, when the
+    caller has them already)."""
     spec = load_spec(weights)
     with Checkpoint(weights, cfg.model.text_prefix, cfg.model.head_key) as ckpt:
         ckpt.verify(spec)
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(weights.iterdir())
-             if p.is_file()}
+    files = files or file_digests(weights)
     return {
         "fingerprint": fp,
         "source_fingerprint": fingerprint(source(cfg)),
@@ -101,14 +106,17 @@ def describe(cfg: PipelineConfig, weights: Path, fp: str) -> dict:
     }
 
 
-def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> bool:
-    """weights/ holds, unmodified, the files the last run recorded from the checkpoint source ``cfg`` names."""
+def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> dict | None:
+    """The file_digests of weights/ if it holds, unmodified, the files the last run recorded from the checkpoint
+    source ``cfg`` names; else None."""
     record = read_record(paths.model_record)
     if not record or record.get("source_fingerprint") != fingerprint(source(cfg)) or not paths.weights.is_dir():
-        return False
+        return None
     found = {p.name: p.stat().st_size for p in paths.weights.iterdir() if p.is_file()}
-    return found == {name: f["size"] for name, f in record.get("files", {}).items()} and all(
-        sha256_file(paths.weights / name) == f["sha256"] for name, f in record["files"].items())
+    if found != {name: f["size"] for name, f in record.get("files", {}).items()}:
+        return None  # before hashing 16 GB
+    files = file_digests(paths.weights)
+    return files if files == record["files"] else None
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -118,10 +126,12 @@ def run(cfg: PipelineConfig) -> StageResult:
         log.info("model: %s is up to date (%s)", cfg.model.name, paths.weights)
         return StageResult("model", "skipped")
     started = time.monotonic()
-    if not cfg.force and same_checkpoint(cfg, paths):
-        # Only the code that checks and records it changed: an E4B checkpoint is 16 GB, not worth fetching again.
+    unchanged = None if cfg.force else same_checkpoint(cfg, paths)
+    if unchanged:
+        # Only the code that checks and records it changed: an E4B checkpoint is 16 GB, not worth fetching (or
+        # hashing) again.
         log.info("model: %s is the same checkpoint, recorded by changed code: checking it again", cfg.model.name)
-        record = describe(cfg, paths.weights, fp)
+        record = describe(cfg, paths.weights, fp, unchanged)
     else:
         log.info("model: materialising %s (%s) into %s", cfg.model.name, identity(cfg)["source"], paths.weights)
         with staged_dir(paths.weights) as tmp:
