@@ -233,15 +233,6 @@ def release_key(name: str, version: str) -> Version:
     return Version(parsed.public)
 
 
-def row_versions(row: SdkRelease, torch: str) -> dict[str, str] | None:
-    """The row's exact version of each package, with torch's torch-neuronx build (None: no build for that torch)."""
-    build = row.torch_neuronx_for(torch)
-    if build is None:
-        return None
-    return {"torch-neuronx": build, "neuronx-cc": row.neuronx_cc, "neuronx-distributed": row.neuronx_distributed,
-            "libneuronxla": row.libneuronxla}
-
-
 def offered_version(available: list[Offer], version: str) -> str | None:
     """The repository's spelling (build hash included) of ``version``, unless it is only offered yanked."""
     matching = [o.version for o in available if not o.yanked and same_release(o.version, version)]
@@ -249,7 +240,7 @@ def offered_version(available: list[Offer], version: str) -> str | None:
 
 
 def offered_row(row: SdkRelease, torch: str, available: dict[str, list[Offer]]) -> dict[str, str] | None:
-    wanted = row_versions(row, torch)
+    wanted = row.exact_versions(torch)
     if wanted is None:
         return None
     found = {name: offered_version(available[name], version) for name, version in wanted.items()}

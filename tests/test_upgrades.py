@@ -32,7 +32,7 @@ def hashed(version: str) -> str:
 
 def row(release: str, torch: str = "2.8.0") -> dict[str, str]:
     """The exact versions (build hashes included) of a release of the table, with torch's torch-neuronx build."""
-    return {name: hashed(v) for name, v in upgrades.row_versions(neuron_sdk.release(release), torch).items()}
+    return {name: hashed(v) for name, v in neuron_sdk.release(release).exact_versions(torch).items()}
 
 
 def wheel(directory: Path, name: str, version: str, requires: list[str] | None = None) -> Path:

@@ -49,6 +49,15 @@ class SdkRelease:
         """The torch-neuronx build of this release for ``torch_version`` (``2.8.0`` -> ``2.8.0.2.12.22436``)."""
         return next((v for v in self.torch_neuronx if v.startswith(torch_version + ".")), None)
 
+    def exact_versions(self, torch_version: str) -> dict[str, str] | None:
+        """Each package's version in this release, with ``torch_version``'s torch-neuronx build (None: the release
+        has no build for that torch)."""
+        build = self.torch_neuronx_for(torch_version)
+        if build is None:
+            return None
+        return {"torch-neuronx": build, "neuronx-cc": self.neuronx_cc, "neuronx-distributed": self.neuronx_distributed,
+                "libneuronxla": self.libneuronxla}
+
 
 RELEASES = (
     SdkRelease("2.23.0", ("2.5.1.2.7.5413", "2.6.0.2.7.5413"), "2.18.121.0", "0.12.12111", "2.2.3493.0", SUPPORTED),
@@ -78,10 +87,8 @@ def release(name: str) -> SdkRelease:
 
 def pinned_requirements() -> list[str]:
     """The ``[neuron]`` extra's Neuron pins, as pyproject.toml must spell them."""
-    row = release(PINNED)
-    return [f"torch-neuronx=={row.torch_neuronx_for(PINNED_TORCH)}", f"neuronx-cc=={row.neuronx_cc}",
-            f"neuronx-distributed=={row.neuronx_distributed}", f"libneuronxla=={row.libneuronxla}",
-            f"torch=={PINNED_TORCH}"]
+    pins = release(PINNED).exact_versions(PINNED_TORCH)
+    return [f"{name}=={version}" for name, version in pins.items()] + [f"torch=={PINNED_TORCH}"]
 
 
 def installed_versions() -> dict[str, str | None]:
