@@ -96,7 +96,7 @@ def failure(exc: BaseException) -> str:
     chain = causes(exc)
     if any(type(e).__name__ == "OfflineModeIsEnabled" for e in chain):  # a setting, not the network
         return "offline"
-    statuses = [(status_of(e), e) for e in chain if status_of(e) is not None]
+    statuses = [(status, e) for e in chain if (status := status_of(e)) is not None]
     if any(s == 403 and _QUOTA.search(str(e)) for s, e in statuses):
         return "quota"
     if any(s in AUTH_STATUS for s, _ in statuses):
