@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pack-bench"))
     args = parser.parse_args()
-    from pipeline.archive import pack
+    from pipeline.artifact.archive import pack
 
     src, out = args.dir / "ranks", args.dir / "out"
     names = write_ranks(src, args.size_mib)

@@ -37,10 +37,10 @@ def measure(artifacts: Path, model: str, variant: str, weights: Path, text_prefi
     """Runs in the fresh interpreter (the clock started before it was launched)."""
     import torch
 
-    from pipeline import manifest as manifest_mod
-    from pipeline.archive import extract_verified, verify_file
+    from pipeline.artifact import manifest as manifest_mod
+    from pipeline.artifact.archive import extract_verified, verify_file
     from pipeline.backends import get_backend
-    from pipeline.backends.base import BuildShape
+    from pipeline.core.shape import BuildShape
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings
     from pipeline.recipe.spec import load_spec

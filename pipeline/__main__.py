@@ -1,11 +1,11 @@
 """Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
 
-Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/pull.py),
-``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/generate.py),
-``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/schedule.py: many variants at once, memory permitting) and
-``python -m pipeline check-upgrades [--apply]`` (pipeline/upgrades.py: a newer Neuron SDK release on the Neuron
+Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
+``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/cli/generate.py),
+``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting) and
+``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
 repository?) and
-``python -m pipeline neuron-check`` (pipeline/neuron_check.py: the first run on an inf2 host, every layout).
+``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout).
 
 Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -30,9 +30,9 @@ def _hydra_entry() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def task(raw: DictConfig) -> None:
-        from pipeline.config import load_config
-        from pipeline.errors import PipelineError
-        from pipeline.log import quiet_third_party
+        from pipeline.core.errors import PipelineError
+        from pipeline.core.log import quiet_third_party
+        from pipeline.run import load_config
 
         quiet_third_party()
         try:
@@ -46,31 +46,31 @@ def _hydra_entry() -> None:
 
 
 def _pull(argv: list[str]) -> int:
-    from pipeline.pull import main as pull_main
+    from pipeline.cli.pull import main as pull_main
 
     return pull_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
-    from pipeline.generate import main as generate_main
+    from pipeline.cli.generate import main as generate_main
 
     return generate_main(argv)
 
 
 def _schedule(argv: list[str]) -> int:
-    from pipeline.schedule import main as schedule_main
+    from pipeline.cli.schedule import main as schedule_main
 
     return schedule_main(argv)
 
 
 def _check_upgrades(argv: list[str]) -> int:
-    from pipeline.upgrades import main as upgrades_main
+    from pipeline.cli.upgrades import main as upgrades_main
 
     return upgrades_main(argv)
 
 
 def _neuron_check(argv: list[str]) -> int:
-    from pipeline.neuron_check import main as check_main
+    from pipeline.cli.neuron_check import main as check_main
 
     return check_main(argv)
 

@@ -1,8 +1,9 @@
 """The typed configuration schema, and the validation of a composed Hydra config against it.
 
-``load_config`` merges a composed config (``conf/`` plus overrides) into the ``PipelineConfig`` dataclasses, turns
-OmegaConf's type errors into messages naming the key and its allowed values, then checks every cross-field rule.
-It raises one ``ConfigError`` listing every problem, before any stage does any work.
+``structured`` merges a composed config (``conf/`` plus overrides) into the ``PipelineConfig`` dataclasses, turning
+OmegaConf's type errors into messages naming the key and its allowed values; ``problems`` checks every cross-field
+rule. ``pipeline.run.load_config`` joins them (and the stage names, which the stage registry holds) into one
+``ConfigError`` listing every problem, before any stage does any work.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline.backends.base import DTYPES, PREFILL_MODES, BuildShape
-from pipeline.errors import ConfigError
-from pipeline.stages import ORDER as STAGE_ORDER
-from pipeline.tiny_model import TinyModelConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.shape import DTYPES, PREFILL_MODES, BuildShape
+from pipeline.core.units import parse_size, visible_cores_problems
+from pipeline.models.tiny_model import TinyModelConfig
 
 BACKENDS = ("auto", "cpu", "neuron")
 MODEL_SOURCES = ("tiny", "hub")
@@ -112,7 +113,7 @@ class BackendConfig:
 @dataclass
 class PreflightConfig:
     check: bool = True
-    """Refuse to trace or validate on a host short of memory, disk or NeuronCores (pipeline/preflight.py)."""
+    """Refuse to trace or validate on a host short of memory, disk or NeuronCores (pipeline/host/preflight.py)."""
     make_swap: str | None = None
     """Create and enable a swap file of this size (e.g. ``64G``) when memory is short. Needs root."""
     swap_file: str = "/swapfile"
@@ -140,7 +141,7 @@ PARITY_MODES = ("exact", "teacher_forced", "logits")
 
 @dataclass
 class LogitsConfig:
-    """neuronx-distributed-inference's logit matching (pipeline/parity.py)."""
+    """neuronx-distributed-inference's logit matching (pipeline/validation/parity.py)."""
 
     divergence_tol: float = 0.001
     tol_map: dict[str, list[float]] = field(default_factory=lambda: {
@@ -226,7 +227,7 @@ class SigningConfig:
         if self.public_key:
             return self.public_key
         if self.private_key:
-            from pipeline.signing import public_key_pem
+            from pipeline.artifact.signing import public_key_pem
 
             return public_key_pem(self.private_key)
         return None
@@ -242,7 +243,8 @@ class PackageConfig:
 
 @dataclass
 class RegressionConfig:
-    """How much worse than the last published version of a variant a rebuild may be (pipeline/regression.py)."""
+    """How much worse than the last published version of a variant a rebuild may be
+    (pipeline/publishing/regression.py)."""
 
     tokens_per_s_drop: float = 0.10
     """Largest accepted fall of decode tokens/s (slowest context), as a fraction of the previous figure."""
@@ -392,9 +394,7 @@ def problems(cfg: PipelineConfig) -> list[str]:
 
     found += _choice("backend.name", cfg.backend.name, BACKENDS)
     if cfg.backend.visible_cores is not None and cfg.variant is not None:
-        from pipeline.backends.neuron_cores import spec_problems
-
-        found += spec_problems(cfg.backend.visible_cores, cfg.variant.tp_degree, None)
+        found += visible_cores_problems(cfg.backend.visible_cores, cfg.variant.tp_degree, None)
     if cfg.backend.max_parallel < 0:
         found.append(f"backend.max_parallel={cfg.backend.max_parallel} must be 0 (all ranks) or positive")
     for dtype in cfg.backend.compiler_args:
@@ -475,10 +475,7 @@ def problems(cfg: PipelineConfig) -> list[str]:
         found += _choice("publish.regression.throughput_backends entry", backend, ("cpu", "neuron"))
     if reg.ttft_ms_rise < 0:
         found.append(f"publish.regression.ttft_ms_rise={reg.ttft_ms_rise} must not be negative")
-    found += _choice("stage", cfg.stage, ("all",) + STAGE_ORDER)
     if cfg.preflight.make_swap is not None:
-        from pipeline.preflight import parse_size
-
         try:
             if parse_size(cfg.preflight.make_swap) < 1 << 30:
                 found.append(f"preflight.make_swap={cfg.preflight.make_swap!r} is under 1 GiB: give a size like 64G")
@@ -490,7 +487,7 @@ def problems(cfg: PipelineConfig) -> list[str]:
 
 
 def signing_problems(cfg: PipelineConfig) -> list[str]:
-    from pipeline.signing import key_problem
+    from pipeline.artifact.signing import key_problem
 
     sig = cfg.package.signing
     found = [p for p in (
@@ -505,18 +502,6 @@ def signing_problems(cfg: PipelineConfig) -> list[str]:
             found.append("package.signing.allow_unsigned=false but no key is set: give package.signing.public_key "
                          "to verify, or set allow_unsigned=true")
     return found
-
-
-def load_config(cfg: DictConfig | dict, variant_choice: str | None = None) -> PipelineConfig:
-    """Validate a composed config; raises ``ConfigError`` listing every problem."""
-    typed = structured(cfg)
-    found = problems(typed)
-    if typed.variant is not None and variant_choice and typed.variant.name != variant_choice:
-        found.append(f"conf/variant/{variant_choice}.yaml sets name={typed.variant.name!r}: "
-                     "a variant's name must equal its file name")
-    if found:
-        raise ConfigError(found)
-    return typed
 
 
 def available_variants(conf_dir: Path) -> list[str]:

@@ -15,10 +15,29 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("pipeline")
 
 
+def load_config(raw, variant_choice: str | None = None):
+    """Validate a composed config (``conf/`` plus overrides) into a ``PipelineConfig``; raises one ``ConfigError``
+    listing every problem: the schema's, a variant file whose name disagrees, and a ``stage`` the registry lacks."""
+    from pipeline.config import problems, structured
+    from pipeline.core.errors import ConfigError
+    from pipeline.stages import ORDER
+
+    typed = structured(raw)
+    found = problems(typed)
+    if typed.stage not in ("all", *ORDER):
+        found.append(f"stage={typed.stage!r} is not one of {['all', *ORDER]}")
+    if typed.variant is not None and variant_choice and typed.variant.name != variant_choice:
+        found.append(f"conf/variant/{variant_choice}.yaml sets name={typed.variant.name!r}: "
+                     "a variant's name must equal its file name")
+    if found:
+        raise ConfigError(found)
+    return typed
+
+
 def run_pipeline(cfg) -> list:
     from pipeline.config import available_variants
-    from pipeline.errors import ConfigError
-    from pipeline.locking import held
+    from pipeline.core.errors import ConfigError
+    from pipeline.host.locking import held
     from pipeline.stages import BY_NAME, ORDER, SHARED, module
 
     stages = list(ORDER) if cfg.stage == "all" else [cfg.stage]

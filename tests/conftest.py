@@ -18,7 +18,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    from pipeline.tiny_model import TinyModelConfig, generate
+    from pipeline.models.tiny_model import TinyModelConfig, generate
 
     return generate(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "weights")
 
@@ -43,7 +43,7 @@ def prompts(tokenizer) -> list[list[int]]:
     All are longer than the tiny model's 16-token sliding window, and with 32 new tokens the longest stays under a
     kv_max of 256.
     """
-    from pipeline.texts import PASSAGES, QUESTIONS
+    from pipeline.models.texts import PASSAGES, QUESTIONS
 
     ids = [chat_ids(tokenizer, QUESTIONS[0]), chat_ids(tokenizer, PASSAGES[0]),
            chat_ids(tokenizer, " ".join(PASSAGES[:2]))]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from pipeline.config import PipelineConfig, load_config
-from pipeline.run import run_pipeline
+from pipeline.config import PipelineConfig
+from pipeline.run import load_config, run_pipeline
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

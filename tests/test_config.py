@@ -8,8 +8,9 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from pipeline.config import available_variants, load_config
-from pipeline.errors import ConfigError
+from pipeline.config import available_variants
+from pipeline.core.errors import ConfigError
+from pipeline.run import load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

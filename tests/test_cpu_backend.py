@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.backends.base import BuildShape, CheckpointRef, TraceRequest
+from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.cpu import CpuBackend
-from pipeline.errors import CheckpointError, ConfigError, InputError
-from pipeline.generation import Generator
+from pipeline.core.errors import CheckpointError, ConfigError, InputError
+from pipeline.core.shape import BuildShape
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.host import HostEmbeddings, HostPrefill
 from pipeline.recipe.spec import load_spec
+from pipeline.validation.generation import Generator
 
 from .conftest import NEW_TOKENS
 from .helpers import edited_checkpoint
@@ -31,8 +32,8 @@ def build(tiny_dir: Path, out: Path, shape: BuildShape) -> dict:
 
 def verified(build_dir: Path):
     """The rank files, hashed as the trace recorded them (what a server gets after verifying an archive)."""
-    from pipeline.archive import verify_build
-    from pipeline.fsutil import sha256_file
+    from pipeline.artifact.archive import verify_build
+    from pipeline.core.fsutil import sha256_file
 
     members = [{"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)} for p in build_dir.iterdir()]
     return verify_build(build_dir, members)

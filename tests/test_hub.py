@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import PublishError
-from pipeline.fsutil import atomic_write_json, read_json, sha256_file
+from pipeline.core.errors import PublishError
+from pipeline.core.fsutil import atomic_write_json, read_json, sha256_file
 from pipeline.paths import Paths
 
 from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
@@ -268,7 +268,7 @@ def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_i
 
 
 def test_the_placeholder_repo_id_and_an_ownerless_one_are_refused_for_the_hub(tmp_path):
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"publish.repo_id='your-org/gemma-4-E4B-it-inferentia2' is the "
                                           r"documentation's placeholder"):
@@ -433,7 +433,7 @@ def test_the_projects_cards_pass_the_hubs_metadata_check_and_a_broken_one_is_ref
     ensure_published(project)
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from pipeline.card import render
+    from pipeline.publishing.card import render
     from pipeline.stages import publish
 
     ours = json.loads(files_at(hub, version_of(project))["512_fp32/manifest.json"])

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import manifest as manifest_mod
-from pipeline import signing
-from pipeline.archive import FORMATS, extract_verified, pack, verify_build
-from pipeline.errors import ConfigError, IntegrityError, PipelineError
-from pipeline.fsutil import sha256_bytes, sha256_file
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact import signing
+from pipeline.artifact.archive import FORMATS, extract_verified, pack, verify_build
+from pipeline.core.errors import ConfigError, IntegrityError, PipelineError
+from pipeline.core.fsutil import sha256_bytes, sha256_file
 from pipeline.paths import Paths
 
 from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
@@ -304,7 +304,7 @@ def test_validate_refuses_a_tampered_artifact_before_loading(signed_project, tmp
         expected = "has no manifest.sig"
     forbid_loading(monkeypatch)
     if tamper == "flip_archive_byte":  # the signature still holds: the validation job's own checks stop it
-        from pipeline.validation import run_job
+        from pipeline.validation.worker import run_job
 
         # In this process, where loading is forbidden.
         monkeypatch.setattr(validate, "run_fresh", lambda job, host=None, need=None, env=None: run_job(job))
@@ -379,7 +379,7 @@ def test_pull_refuses_wrong_keys_unknown_versions_and_foreign_directories(signed
 
 
 def test_pull_through_python_rejects_a_tag_to_the_wrong_manifest(signed_project, tmp_path, keys):
-    from pipeline.pull import LocalSource, pull
+    from pipeline.cli.pull import LocalSource, pull
 
     source = LocalSource(signed_project / "published")
     version = published_version(signed_project)
@@ -419,7 +419,7 @@ def test_generate_runs_a_pulled_version_and_refuses_a_tampered_one(signed_projec
 def test_the_cards_usage_block_applies_to_the_version_it_shows(signed_project):
     """The card's commands name the source the version is pulled from, a public key only for a signed version, and
     the files its archive really holds (a device-prefill cpu build holds tp_N.pt, not model.pt)."""
-    from pipeline.card import render
+    from pipeline.publishing.card import render
 
     version = published_version(signed_project)
     shown = subprocess.run(["git", "show", f"{version}:512_fp32/manifest.json"], cwd=signed_project / "published",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.backends.base import BuildShape, CheckpointRef, TraceRequest, example_inputs
+from pipeline.backends.base import CheckpointRef, TraceRequest, example_inputs
 from pipeline.backends.neuron import (
     NeuronBackend,
     classify_failure,
@@ -37,8 +37,10 @@ from pipeline.backends.neuron_rank import (
     router_key,
 )
 from pipeline.config import available_variants
-from pipeline.errors import BuildError, ConfigError, IntegrityError
-from pipeline.preflight import GIB, Need, Resources
+from pipeline.core.errors import BuildError, ConfigError, IntegrityError
+from pipeline.core.shape import BuildShape
+from pipeline.core.units import GIB
+from pipeline.host.preflight import Need, Resources
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.model import build_rank
 from pipeline.recipe.parallel import Parallel
@@ -216,7 +218,7 @@ def test_kv_state_is_found_in_numeric_order_and_seeded_only_when_shapes_match():
 
 
 def test_the_runner_loads_only_a_verified_build_of_the_right_layout(tmp_path):
-    from pipeline.archive import verify_build
+    from pipeline.artifact.archive import verify_build
 
     (tmp_path / "tp_0.pt").write_bytes(b"x")
     build = verify_build(tmp_path, [{"path": "tp_0.pt", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}])
@@ -316,7 +318,7 @@ def test_host_prefill_is_decided_by_the_installed_sdk_release(monkeypatch, tmp_p
 
 def test_neuroncores_the_host_lacks_or_another_run_holds_are_refused_before_any_compile(fake_neuron, tmp_path):
     from pipeline.backends import neuron_cores
-    from pipeline.errors import PreflightError
+    from pipeline.core.errors import PreflightError
 
     with pytest.raises(ConfigError, match=r"backend.visible_cores='0-2' names 3 NeuronCore\(s\) but "
                                           r"variant.tp_degree is 2"):
@@ -362,7 +364,7 @@ def test_a_validation_runs_on_the_cores_its_lease_names(monkeypatch, tmp_path, c
 
 def test_core_leases_share_out_a_hosts_cores_and_the_trace_port_waits(tmp_path, monkeypatch):
     from pipeline.backends import neuron_cores
-    from pipeline.errors import PreflightError
+    from pipeline.core.errors import PreflightError
 
     monkeypatch.setenv("GEMMA4_NEURON_LOCK_DIR", str(tmp_path))
     first = neuron_cores.acquire(2, 4, None, "first")
@@ -460,7 +462,7 @@ def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, 
 
 def test_the_neuron_preflight_refuses_a_host_without_neuroncores(fake_neuron, tmp_path, monkeypatch):
     """The Neuron packages installed, but no Neuron device (no neuron-ls): refused before any compile."""
-    from pipeline.errors import PreflightError
+    from pipeline.core.errors import PreflightError
 
     path = os.environ["PATH"].split(os.pathsep)
     monkeypatch.setenv("PATH", os.pathsep.join(p for p in path if p != str(fake_neuron / "bin")))
@@ -541,7 +543,7 @@ def test_host_prefill_on_an_unknown_release_needs_asking_for(fake_neuron):
 # -- the throughput gate on the production path ----------------------------------------------------------------------
 
 def test_hardware_auto_reads_the_instance_type_offline(tmp_path, monkeypatch):
-    from pipeline.preflight import resolve_hardware
+    from pipeline.host.preflight import resolve_hardware
 
     dmi = tmp_path / "product_name"
     monkeypatch.setenv("GEMMA4_DMI_PRODUCT_NAME_FILE", str(dmi))

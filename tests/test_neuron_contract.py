@@ -23,7 +23,7 @@ import tomllib
 import torch
 
 from pipeline.backends import neuron_sdk
-from pipeline.backends.base import BuildShape, example_inputs
+from pipeline.backends.base import example_inputs
 from pipeline.backends.neuron_rank import (
     AliasedRank,
     compiler_arg_string,
@@ -35,6 +35,7 @@ from pipeline.backends.neuron_rank import (
     router_key,
 )
 from pipeline.config import available_variants
+from pipeline.core.shape import BuildShape
 
 from .contracts import extract_nxd_api as extract
 from .helpers import CONF, neuron_config
@@ -207,10 +208,10 @@ class RecordingRunner:
 
 @pytest.mark.parametrize("variant", [v for v in available_variants(CONF) if not v.endswith("_host")])
 def test_every_shape_the_generator_produces_routes_to_a_traced_bucket(tiny_dir, variant, prompts):
-    from pipeline.generation import Generator
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings
     from pipeline.recipe.spec import load_spec
+    from pipeline.validation.generation import Generator
 
     shape = neuron_config(Path("/nonexistent"), variant).variant.shape
     spec = load_spec(tiny_dir)

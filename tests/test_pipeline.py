@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import manifest as manifest_mod
-from pipeline.fsutil import sha256_file
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.core.fsutil import sha256_file
 from pipeline.stages.package import version_name
 
 from .helpers import CPU_COMPILER

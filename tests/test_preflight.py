@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.backends.base import BuildShape
 from pipeline.config import PreflightConfig, ResourceNeed
-from pipeline.errors import PreflightError
-from pipeline.preflight import (
-    GIB,
+from pipeline.core.errors import PreflightError
+from pipeline.core.shape import BuildShape
+from pipeline.core.units import GIB, parse_size
+from pipeline.host.preflight import (
     Disk,
     Need,
     Resources,
@@ -22,7 +22,6 @@ from pipeline.preflight import (
     make_swap,
     parse_meminfo,
     parse_neuron_ls,
-    parse_size,
     trace_need,
     validate_need,
 )
@@ -205,7 +204,7 @@ def test_check_measures_this_host_and_can_be_switched_off():
 
 
 def test_bad_preflight_settings_are_refused(tmp_path):
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="preflight.make_swap='lots' is not a size"):
         config(tmp_path, "preflight.make_swap=lots")

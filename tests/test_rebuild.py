@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import regression
-from pipeline.backends.base import BuildShape
+from pipeline.cli.schedule import Budget, Scheduler, Task, choose, variant_tasks
 from pipeline.config import RegressionConfig, ResourceNeed
-from pipeline.errors import PublishError
-from pipeline.schedule import Budget, Scheduler, Task, choose, variant_tasks
+from pipeline.core.errors import PublishError
+from pipeline.core.shape import BuildShape
+from pipeline.publishing import regression
 
 from .helpers import FAST_VALIDATE, config, run
 
@@ -118,7 +118,7 @@ def test_a_rebuild_that_makes_the_same_rank_files_is_the_same_version_and_publis
     """What rebuilds without changing the rank files (the host's Neuron driver packages, simulated in the toolchain
     record; another compressor library packing the same files into other bytes, simulated by the zstd level) names
     the same version, and publishing it again makes no commit: a version names its rank files' inputs."""
-    from pipeline import archive
+    from pipeline.artifact import archive
 
     cfg = config(tmp_path, *FAST_VALIDATE)
     run(cfg)

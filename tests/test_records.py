@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline import records
-from pipeline.records import code_digest, fingerprint
+from pipeline.core import records
+from pipeline.core.records import code_digest, fingerprint
 
 
 def test_fingerprint_ignores_key_order_and_sees_values():

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import signing
+from pipeline.artifact import signing
 
 from . import e4b_checkpoint, fake_sdk
 from .hubserver import Hub

@@ -28,12 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from pipeline import manifest as manifest_mod
-from pipeline.config import load_config
-from pipeline.errors import ConfigError
-from pipeline.fsutil import sha256_file
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.core.errors import ConfigError
+from pipeline.core.fsutil import sha256_file
+from pipeline.host.preflight import resolve_hardware
 from pipeline.paths import Paths
-from pipeline.preflight import resolve_hardware
+from pipeline.run import load_config
 from pipeline.stages import reference as reference_stage
 from pipeline.stages import trace as trace_stage
 from pipeline.stages import validate as validate_stage

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import manifest as manifest_mod
+from pipeline.artifact import manifest as manifest_mod
 
 pytestmark = pytest.mark.slow  # `make test-rehearsal`, and under the production and lowest versions
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from pipeline.errors import ConfigError, UnsupportedModelError
+from pipeline.core.errors import ConfigError, UnsupportedModelError
 from pipeline.recipe.host import split_kv_for_ranks
 from pipeline.recipe.plan import ShardPlan
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_from_config

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import upgrades
 from pipeline.backends import neuron_sdk
+from pipeline.cli import upgrades
 
 # Build hashes (local versions), as Neuron's wheels carry them: f702b353 is 2.28.1's neuronx-cc; the rest stand-ins.
 HASHES = {"2.23.6484.0": "f702b353", "2.21.33363.0": "5f4c2a10", "2.8.0.2.12.22436": "b8c0a3d1",

@@ -11,8 +11,8 @@ import torch
 
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.cpu import CpuBackend
-from pipeline.errors import InputError, ParityError, PipelineError, ThroughputError
-from pipeline.fsutil import atomic_write_json, read_json, sha256_file
+from pipeline.core.errors import InputError, ParityError, PipelineError, ThroughputError
+from pipeline.core.fsutil import atomic_write_json, read_json, sha256_file
 from pipeline.paths import Paths
 
 from .helpers import FAST_VALIDATE, config, edited_checkpoint, run
@@ -186,8 +186,8 @@ def test_a_stale_reference_is_named(project, tmp_path):
 
 def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     """A custom variant whose bucket no prompt comes near must get prompts added, not a vacuous pass."""
-    from pipeline.backends.base import BuildShape
-    from pipeline.validation import select_prompts
+    from pipeline.core.shape import BuildShape
+    from pipeline.validation.worker import select_prompts
 
     reference = read_json(project / "gemma4_tiny" / "reference.json")
     with pytest.raises(InputError, match="lack one between half a bucket and a bucket and one longer than two"):

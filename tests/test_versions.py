@@ -17,8 +17,8 @@ import pytest
 import tomllib
 import torch
 
-from pipeline import versions
-from pipeline.errors import CheckpointError, ConfigError, UnsupportedModelError
+from pipeline.core import versions
+from pipeline.core.errors import CheckpointError, ConfigError, UnsupportedModelError
 from pipeline.recipe.spec import PER_LAYER_CONFIG_SINCE, reads_per_layer_config, spec_from_config
 
 from .helpers import config, run
@@ -38,7 +38,7 @@ def e4b_layout() -> dict:
 
 
 def tiny_config(**changes) -> dict:
-    from pipeline.tiny_model import TinyModelConfig, hf_text_config
+    from pipeline.models.tiny_model import TinyModelConfig, hf_text_config
 
     return hf_text_config(replace(TinyModelConfig(), **changes))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 
-from pipeline.log import log
+from pipeline.core.log import log
 
 NEURON_MODULES = ("torch_neuronx", "neuronx_distributed")
 

@@ -14,52 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pipeline.core.shape import BuildShape
+
 if TYPE_CHECKING:
-    from pipeline.preflight import Need, Resources
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PREFILL_MODES = ("device", "host")
-
-
-@dataclass(frozen=True)
-class BuildShape:
-    """The variant fields that decide what is traced."""
-
-    kv_max: int
-    bucket: int
-    dtype: str
-    prefill: str
-    tp_degree: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def problems(self) -> list[str]:
-        """Everything wrong with these settings, each naming the ``variant.*`` key and the fix."""
-        found = []
-        if self.dtype not in DTYPES:
-            found.append(f"variant.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.prefill not in PREFILL_MODES:
-            found.append(f"variant.prefill={self.prefill!r} is not one of {list(PREFILL_MODES)}")
-        if self.tp_degree < 1:
-            found.append(f"variant.tp_degree={self.tp_degree} must be at least 1")
-        if self.bucket < 1 or self.kv_max < 1:
-            found.append(f"variant.kv_max={self.kv_max} and variant.bucket={self.bucket} must be positive")
-        elif self.bucket > self.kv_max:
-            found.append(f"variant.bucket={self.bucket} is larger than variant.kv_max={self.kv_max}: "
-                         "a prefill bucket must fit in the KV cache; lower bucket or raise kv_max")
-        elif self.kv_max % self.bucket:
-            fit = self.kv_max - self.kv_max % self.bucket
-            found.append(f"variant.kv_max={self.kv_max} is not a multiple of variant.bucket={self.bucket}: a padded "
-                         f"last bucket would run past the cache; use kv_max={fit} or {fit + self.bucket}")
-        return found
-
-    @property
-    def entries(self) -> tuple[str, ...]:
-        """The traced entry points: device prefill has a prefill graph next to decode; host prefill decodes only."""
-        return ("prefill", "decode") if self.prefill == "device" else ("decode",)
-
+    from pipeline.host.preflight import Need, Resources
 
 @dataclass(frozen=True)
 class CheckpointRef:
@@ -124,7 +82,7 @@ class Backend(Protocol):
         """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
 
     def load(self, build, shape: BuildShape) -> RankRunner:
-        """Load a ``pipeline.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""
+        """Load a ``pipeline.artifact.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""
 
 
 def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -138,16 +96,12 @@ def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
     return embeds, per_layer, torch.arange(tokens).view(1, tokens), torch.tensor([tokens - 1])
 
 
-def rank_members(tp_degree: int) -> list[str]:
-    return [f"tp_{rank}.pt" for rank in range(tp_degree)]
-
-
 def check_request(request: TraceRequest):
     """Every check that needs no tracing: the variant's settings, the model's split, the checkpoint's tensors.
 
     Runs before any rank process starts or any output directory is created. Returns the model's spec.
     """
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.plan import ShardPlan
     from pipeline.recipe.spec import load_spec

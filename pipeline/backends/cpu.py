@@ -28,19 +28,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.archive import VerifiedBuild, require_verified
-from pipeline.backends.base import (
-    BuildShape,
-    RankRunner,
-    TraceRequest,
-    check_request,
-    example_inputs,
-    rank_members,
-)
+from pipeline.artifact.archive import VerifiedBuild, require_verified
+from pipeline.backends.base import RankRunner, TraceRequest, check_request, example_inputs
 from pipeline.backends.torchscript import strip_debug_records
-from pipeline.errors import BuildError, IntegrityError, PipelineError
-from pipeline.fsutil import reporting_full_disk, sha256_file, staged_dir
-from pipeline.procinfo import die_with_parent, peak_rss_bytes
+from pipeline.core.errors import BuildError, IntegrityError, PipelineError
+from pipeline.core.fsutil import reporting_full_disk, sha256_file, staged_dir
+from pipeline.core.shape import BuildShape, rank_members
+from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 
 # Collectives in a saved rank name their process group; every process group this backend creates is the default
 # (WORLD) group, which torch names "0".
@@ -265,7 +259,7 @@ class RankGroup:
 
 def describe_exit(rank: int, code: int | None, request: TraceRequest | None = None) -> str:
     if code == -9:
-        from pipeline.preflight import oom_message
+        from pipeline.host.preflight import oom_message
 
         return oom_message(f"rank {rank}", request.host if request else None, request.need if request else None)
     return f"rank {rank} exited unexpectedly with code {code}"

@@ -47,14 +47,16 @@ from pathlib import Path
 
 import torch
 
-from pipeline.archive import VerifiedBuild, require_verified
-from pipeline.backends.base import BuildShape, RankRunner, TraceRequest, check_request, rank_members
-from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, spec_problems, trace_port
+from pipeline.artifact.archive import VerifiedBuild, require_verified
+from pipeline.backends.base import RankRunner, TraceRequest, check_request
+from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
 from pipeline.backends.neuron_sdk import NEURON_INDEX
 from pipeline.backends.torchscript import strip_debug_records
-from pipeline.errors import BuildError, ConfigError, IntegrityError
-from pipeline.fsutil import read_json, sha256_file, staged_dir
-from pipeline.log import log
+from pipeline.core.errors import BuildError, ConfigError, IntegrityError
+from pipeline.core.fsutil import read_json, sha256_file, staged_dir
+from pipeline.core.log import log
+from pipeline.core.shape import BuildShape, rank_members
+from pipeline.core.units import visible_cores_problems
 
 NEURON_EXTRA_HINT = ("install the Neuron packages on an inf2 host: pip install -e '.[neuron]' "
                      f"--extra-index-url {NEURON_INDEX} (README: 'On an inf2 host')")
@@ -137,8 +139,8 @@ def missing_api(prefill: str, check_release: bool = True, allow_unsupported_host
 
 def host_neuron_cores() -> int:
     """How many NeuronCores this host has (``neuron-ls``); refuses a host without the Neuron tools."""
-    from pipeline.errors import PreflightError
-    from pipeline.preflight import neuron_cores
+    from pipeline.core.errors import PreflightError
+    from pipeline.host.preflight import neuron_cores
 
     total, _ = neuron_cores()
     if total is None:
@@ -163,7 +165,7 @@ def lease_for_this_process(tp_degree: int) -> None:
     global _process_lease
     given = os.environ.get(VISIBLE_CORES_ENV)
     if given:
-        problems = spec_problems(given, tp_degree, None)
+        problems = visible_cores_problems(given, tp_degree, None)
         if problems:
             raise ConfigError([p.replace("backend.visible_cores", VISIBLE_CORES_ENV) for p in problems])
         return
@@ -211,7 +213,7 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
     An interruption of this process kills the whole group (the compiler processes included). A SIGKILL of the child
     becomes an out-of-memory report with the preflight's figures; a failure whose text shows a killed compiler too.
     """
-    from pipeline.preflight import oom_message
+    from pipeline.host.preflight import oom_message
 
     proc = subprocess.Popen(argv, start_new_session=True, env=env, cwd=cwd)
     try:
@@ -379,7 +381,7 @@ class NeuronRunner(RankRunner):
         computed from positions, hide every slot beyond the current one. (NxD offers no cheap device-side zeroing.)"""
 
     def peak_rss_bytes(self) -> list[int]:
-        from pipeline.procinfo import peak_rss_bytes
+        from pipeline.host.procinfo import peak_rss_bytes
 
         return [peak_rss_bytes()]  # the ranks run as threads of this process
 

@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.backends.base import BuildShape, CheckpointRef, example_inputs
-from pipeline.fsutil import reporting_full_disk
-from pipeline.procinfo import die_with_parent
+from pipeline.backends.base import CheckpointRef, example_inputs
+from pipeline.core.fsutil import reporting_full_disk
+from pipeline.core.shape import BuildShape
+from pipeline.host.procinfo import die_with_parent
 from pipeline.recipe.parallel import Parallel, ShardLinear
 
 DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
@@ -343,8 +344,8 @@ def stop_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from pipeline.fsutil import atomic_write_json
-    from pipeline.procinfo import peak_rss_bytes
+    from pipeline.core.fsutil import atomic_write_json
+    from pipeline.host.procinfo import peak_rss_bytes
 
     stop_with_parent()
     job = json.loads(Path(argv[0]).read_text())

@@ -92,7 +92,7 @@ def pinned_requirements() -> list[str]:
 
 
 def installed_versions() -> dict[str, str | None]:
-    from pipeline.versions import installed
+    from pipeline.core.versions import installed
 
     return {name: installed(name) for name in PACKAGES}
 

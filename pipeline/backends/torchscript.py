@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.errors import BuildError
-from pipeline.fsutil import TMP_MARK
+from pipeline.core.errors import BuildError
+from pipeline.core.fsutil import TMP_MARK
 
 # Rewritten by the writer itself: the format version (set from the original with set_min_version) and the digest of
 # the records (over what is kept, so it no longer depends on the dropped records).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.errors import CheckpointError
+from pipeline.core.errors import CheckpointError
 from pipeline.recipe.spec import ModelSpec
 
 HEAD = "lm_head.weight"  # the recipe's name for the output head

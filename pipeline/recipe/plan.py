@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import CheckpointError, ConfigError
+from pipeline.core.errors import CheckpointError, ConfigError
 from pipeline.recipe.checkpoint import HEAD, Checkpoint
 from pipeline.recipe.spec import ModelSpec
 

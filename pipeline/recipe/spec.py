@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CheckpointError, UnsupportedModelError
+from pipeline.core.errors import CheckpointError, UnsupportedModelError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -317,7 +317,7 @@ def installed_transformers() -> str:
 
 
 def supported_transformers() -> str:
-    from pipeline.versions import supported
+    from pipeline.core.versions import supported
 
     return str(supported("transformers"))
 

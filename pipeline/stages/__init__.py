@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.records import code_digest
+from pipeline.core.records import code_digest
 
 
 @dataclass
@@ -45,18 +45,14 @@ class Stage:
 
 
 STAGES = (  # in the order they run
-    Stage("toolchain", "host", None, ("stages/toolchain.py", "versions.py", "backends/__init__.py")),
-    Stage("model", "model", None, ("stages/model.py", "tiny_model.py", "texts.py", "recipe/spec.py",
-                                   "recipe/checkpoint.py")),
-    Stage("reference", "model", None, ("stages/reference.py", "prompts.py", "parity.py", "texts.py",
-                                       "recipe/spec.py")),
+    Stage("toolchain", "host", None, ("stages/toolchain.py", "core/versions.py", "backends/__init__.py")),
+    Stage("model", "model", None, ("stages/model.py", "models", "recipe/spec.py", "recipe/checkpoint.py")),
+    Stage("reference", "model", None, ("stages/reference.py", "validation/prompts.py", "validation/parity.py",
+                                       "models/texts.py", "recipe/spec.py")),
     Stage("trace", "variant", "build", ("stages/trace.py", "recipe", "backends")),
-    Stage("package", "variant", "build", ("stages/package.py", "archive.py", "manifest.py", "signing.py")),
-    Stage("validate", "variant", "validate", ("stages/validate.py", "validation.py", "generation.py", "parity.py",
-                                              "prompts.py", "archive.py", "manifest.py", "signing.py", "recipe",
-                                              "backends")),
-    Stage("publish", "variant", "publish", ("stages/publish.py", "card.py", "regression.py", "manifest.py",
-                                            "signing.py", "archive.py", "localrepo.py", "hub.py")),
+    Stage("package", "variant", "build", ("stages/package.py", "artifact")),
+    Stage("validate", "variant", "validate", ("stages/validate.py", "validation", "artifact", "recipe", "backends")),
+    Stage("publish", "variant", "publish", ("stages/publish.py", "publishing", "artifact")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 ORDER = tuple(BY_NAME)

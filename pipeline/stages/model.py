@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import CheckpointError, PipelineError
-from pipeline.fsutil import atomic_write_json, sha256_file, staged_dir
-from pipeline.log import log
+from pipeline.core.errors import CheckpointError, PipelineError
+from pipeline.core.fsutil import atomic_write_json, sha256_file, staged_dir
+from pipeline.core.log import log
+from pipeline.core.records import code_digest, fingerprint, is_fresh, read_record, require_record
 from pipeline.paths import Paths
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.spec import load_spec
-from pipeline.records import code_digest, fingerprint, is_fresh, read_record, require_record
 from pipeline.stages import StageResult, code_of
 
 
@@ -71,7 +71,7 @@ def materialise(cfg: PipelineConfig, into: Path) -> None:
     if m.path is not None:
         _link_or_copy(Path(m.path), into, m.allow_patterns)
     elif m.source == "tiny":
-        from pipeline.tiny_model import generate
+        from pipeline.models.tiny_model import generate
 
         generate(m.tiny, into)
     else:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import time
 
-from pipeline import __version__, signing
-from pipeline import archive as archive_mod
-from pipeline import manifest as manifest_mod
+from pipeline import __version__
+from pipeline.artifact import archive as archive_mod
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact import signing
 from pipeline.config import PipelineConfig
-from pipeline.errors import IntegrityError
-from pipeline.fsutil import reporting_full_disk, staged_dir
-from pipeline.log import log
+from pipeline.core.errors import IntegrityError
+from pipeline.core.fsutil import reporting_full_disk, staged_dir
+from pipeline.core.log import log
+from pipeline.core.records import fingerprint, is_fresh
 from pipeline.paths import Paths
-from pipeline.records import fingerprint, is_fresh
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import trace as trace_stage
 

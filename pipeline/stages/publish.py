@@ -10,9 +10,9 @@ archive's checksum (and signature) is verified again just before it is sent. Pub
 published with the same rank files makes no commit and no tag. A version names its inputs (package.version_name), so a
 rebuild from changed inputs is a new version; an existing version is never moved, and other rank files under a
 published version (a build that is not reproducible) are refused. A rebuild is compared with the last published version
-of its variant first and refused if it regressed (pipeline/regression.py; ``publish.allow_regression=true`` overrides,
-and the comparison is recorded in the published manifest). Targets: ``local`` (a git repository laid out as the Hub
-repo) and ``hub`` (pipeline/hub.py).
+of its variant first and refused if it regressed (pipeline/publishing/regression.py;
+``publish.allow_regression=true`` overrides, and the comparison is recorded in the published manifest). Targets:
+``local`` (a git repository laid out as the Hub repo) and ``hub`` (pipeline/publishing/hub.py).
 
 Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, version, commit, tag, fingerprint).
 """
@@ -27,16 +27,17 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pipeline import regression, signing
-from pipeline.archive import verify_file
-from pipeline.card import render
+from pipeline.artifact import signing
+from pipeline.artifact.archive import verify_file
+from pipeline.artifact.manifest import check as check_manifest
 from pipeline.config import PipelineConfig
-from pipeline.errors import PublishError
-from pipeline.fsutil import write_json_if_changed
-from pipeline.localrepo import LocalRepo
-from pipeline.log import log
-from pipeline.manifest import check as check_manifest
+from pipeline.core.errors import PublishError
+from pipeline.core.fsutil import write_json_if_changed
+from pipeline.core.log import log
 from pipeline.paths import Paths
+from pipeline.publishing import regression
+from pipeline.publishing.card import render
+from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult
 from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
@@ -240,7 +241,7 @@ def run(cfg: PipelineConfig) -> StageResult:
             result = publish(LocalRepo(repo_dir), str(repo_dir))
         where = str(repo_dir.resolve())
     else:
-        from pipeline import hub
+        from pipeline.publishing import hub
 
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
         target = hub.HubTarget(pub.repo_id, pub.private)

@@ -16,15 +16,16 @@ import torch
 
 from pipeline import __version__
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
-from pipeline.log import log, progress
+from pipeline.core.errors import PipelineError
+from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from pipeline.core.log import log, progress
+from pipeline.core.records import fingerprint, is_fresh, require_record
 from pipeline.paths import Paths
-from pipeline.prompts import build_prompts
-from pipeline.records import fingerprint, is_fresh, require_record
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages.toolchain import package_version
+from pipeline.validation.parity import logits_of
+from pipeline.validation.prompts import build_prompts
 
 TOP_K = 1000
 
@@ -58,15 +59,9 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: dict, prompts: list[
     })
 
 
-def logits_of(tensors: dict[str, torch.Tensor], index: int) -> torch.Tensor:
-    """Prompt ``index``'s reference logits ``[steps, vocab]``: fp16 everywhere, exact fp32 on the top-k."""
-    full = tensors[f"{index}.logits"].float()
-    return full.scatter(-1, tensors[f"{index}.topk_indices"].long(), tensors[f"{index}.topk_values"])
-
-
 def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> dict:
     """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32."""
-    from pipeline.parity import logit_errors
+    from pipeline.validation.parity import logit_errors
 
     with torch.no_grad():
         out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits

@@ -23,11 +23,11 @@ import time
 
 from pipeline.backends import resolve
 from pipeline.config import PipelineConfig
-from pipeline.fsutil import write_json_if_changed
-from pipeline.log import log
+from pipeline.core.fsutil import write_json_if_changed
+from pipeline.core.log import log
+from pipeline.core.versions import installed as package_version
 from pipeline.paths import Paths
 from pipeline.stages import StageResult
-from pipeline.versions import installed as package_version
 
 SCHEMA_VERSION = 2
 PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx", "neuronx-distributed",
@@ -122,7 +122,7 @@ def collect(backend: str) -> dict:
 
 
 def run(cfg: PipelineConfig) -> StageResult:
-    from pipeline import versions
+    from pipeline.core import versions
 
     versions.check()  # a torch or transformers outside the supported range: refused before anything is written
     started = time.monotonic()
@@ -139,11 +139,11 @@ def run(cfg: PipelineConfig) -> StageResult:
 
 
 def load(cfg: PipelineConfig) -> dict:
-    from pipeline.records import require_record
+    from pipeline.core.records import require_record
 
     record = require_record(Paths.of(cfg).toolchain, "toolchain")
     if record.get("schema_version") != SCHEMA_VERSION:
-        from pipeline.errors import PipelineError
+        from pipeline.core.errors import PipelineError
 
         raise PipelineError(f"{Paths.of(cfg).toolchain} was written by another release of the pipeline: run "
                             "stage=toolchain")

@@ -1,6 +1,6 @@
 """Stage 4, trace: check the host (preflight), then shard the weights per rank and trace/compile one variant.
 
-The preflight (pipeline/preflight.py) compares RAM + swap (cgroup-aware), free disk and free NeuronCores with what
+The preflight (pipeline/host/preflight.py) compares RAM + swap (cgroup-aware), free disk and free NeuronCores with what
 ``model.resources.<backend>`` says this variant needs, and refuses a shortfall with the numbers and the fix before
 anything is written.
 
@@ -17,16 +17,16 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from pipeline import preflight
 from pipeline.backends import get_backend, resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_json, clean_stale_temps
-from pipeline.log import log
+from pipeline.core.errors import PipelineError
+from pipeline.core.fsutil import atomic_write_json, clean_stale_temps
+from pipeline.core.log import log
+from pipeline.core.records import code_digest, fingerprint, read_record, require_record
+from pipeline.core.units import GIB
+from pipeline.host import preflight
 from pipeline.paths import Paths
-from pipeline.preflight import GIB
-from pipeline.records import code_digest, fingerprint, read_record, require_record
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage

@@ -2,7 +2,7 @@
 
 The prompts are chosen (and refused when they cannot serve the variant), and the host checked for the memory and
 NeuronCores loading the build needs (the preflight), before anything is loaded. The work runs in
-a fresh interpreter (``pipeline.validation``): verify the archive and its members against the manifest, unpack
+a fresh interpreter (``pipeline.validation.worker``): verify the archive and its members against the manifest, unpack
 safely, load the ranks through the backend's loader, decode the validation prompts and judge them, and time three
 context lengths. Then the gates: parity must pass, and throughput must meet the floor configured for this backend
 and hardware. A failing gate fails the stage with a table of the numbers, after writing them.
@@ -26,18 +26,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import preflight, signing
-from pipeline.backends.base import BuildShape
+from pipeline.artifact import signing
 from pipeline.config import PipelineConfig
-from pipeline.errors import ConfigError, IntegrityError, ParityError, PipelineError, ThroughputError
-from pipeline.fsutil import atomic_write_json
-from pipeline.log import log
+from pipeline.core.errors import ConfigError, IntegrityError, ParityError, PipelineError, ThroughputError
+from pipeline.core.fsutil import atomic_write_json
+from pipeline.core.log import log
+from pipeline.core.records import fingerprint, read_record, require_record
+from pipeline.core.shape import BuildShape
+from pipeline.host import preflight
 from pipeline.paths import Paths
-from pipeline.records import fingerprint, read_record, require_record
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
-from pipeline.validation import select_prompts
+from pipeline.validation.worker import select_prompts
 
 
 def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
@@ -71,7 +72,7 @@ def run_fresh(job: dict, host: preflight.Resources | None = None, need: prefligh
     with tempfile.TemporaryDirectory(prefix="gemma4-validate-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "pipeline.validation", str(job_path), str(result_path)],
+        proc = subprocess.run([sys.executable, "-m", "pipeline.validation.worker", str(job_path), str(result_path)],
                               env=None if env is None else {**os.environ, **env})
         if proc.returncode == -9:
             raise PipelineError(preflight.oom_message("the validation process", host, need))

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline import manifest as manifest_mod
-from pipeline import signing
-from pipeline.archive import extract_verified, verify_build
-from pipeline.errors import IntegrityError, PipelineError
-from pipeline.fsutil import TMP_MARK, reporting_full_disk
-from pipeline.localrepo import LocalRepo
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact import signing
+from pipeline.artifact.archive import extract_verified, verify_build
+from pipeline.core.errors import IntegrityError, PipelineError
+from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
+from pipeline.publishing.localrepo import LocalRepo
 
 log = logging.getLogger("pipeline")
 
@@ -62,13 +62,13 @@ class HubSource:
     def __init__(self, repo_id: str):
         from huggingface_hub import HfApi, get_token
 
-        from pipeline.hub import endpoint
+        from pipeline.publishing.hub import endpoint
 
         self.api, self.repo_id, self.name = HfApi(endpoint=endpoint(), token=get_token()), repo_id, repo_id
 
     @contextmanager
     def asking(self, what: str) -> Iterator[None]:
-        from pipeline.hub import endpoint_url, explain
+        from pipeline.publishing.hub import endpoint_url, explain
 
         try:
             yield

@@ -7,7 +7,7 @@ bucket size for any tokenizer (the tiny model's and E4B's split the same text ve
 from __future__ import annotations
 
 from pipeline.config import PromptConfig
-from pipeline.texts import PASSAGES
+from pipeline.models.texts import PASSAGES
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import IntegrityError
-from pipeline.fsutil import atomic_write_json, read_json
+from pipeline.core.errors import IntegrityError
+from pipeline.core.fsutil import atomic_write_json, read_json
 
 SCHEMA_VERSION = 1
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

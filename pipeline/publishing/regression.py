@@ -12,7 +12,7 @@ load); other pairs are recorded as not comparable. The outcome, every row, is re
 
 from __future__ import annotations
 
-from pipeline.errors import PublishError
+from pipeline.core.errors import PublishError
 
 
 def _row(check: str, previous, current, limit, passed: bool) -> dict:

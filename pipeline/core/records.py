@@ -13,7 +13,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from pipeline.fsutil import canonical_json, read_json, sha256_bytes
+from pipeline.core.fsutil import canonical_json, read_json, sha256_bytes
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -63,7 +63,7 @@ def is_fresh(record_path: Path, fp: str, outputs: list[Path] = ()) -> bool:
 
 def require_record(path: Path, stage: str, *also: Path) -> dict:
     """A stage's record (and the outputs it describes), or an error saying which stage makes them."""
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
 
     record = read_record(path)
     missing = [str(p) for p in (path, *also) if not Path(p).exists()]

@@ -17,14 +17,14 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline import manifest as manifest_mod
-from pipeline.archive import verify_build
+from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact.archive import verify_build
 from pipeline.backends import get_backend
-from pipeline.backends.base import BuildShape
-from pipeline.errors import InputError, PipelineError
-from pipeline.generation import Generator, check_fits
-from pipeline.prompts import chat_ids
-from pipeline.pull import manifest_beside
+from pipeline.cli.pull import manifest_beside
+from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.shape import BuildShape
+from pipeline.validation.generation import Generator, check_fits
+from pipeline.validation.prompts import chat_ids
 
 log = logging.getLogger("pipeline")
 

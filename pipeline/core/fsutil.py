@@ -179,7 +179,7 @@ def space_report(path: str | os.PathLike, what: str, exc: BaseException) -> str:
 @contextlib.contextmanager
 def reporting_full_disk(path: str | os.PathLike, what: str) -> Iterator[None]:
     """Turn a write that runs out of space inside the block into a ``DiskFullError`` saying where and how much."""
-    from pipeline.errors import DiskFullError
+    from pipeline.core.errors import DiskFullError
 
     try:
         yield

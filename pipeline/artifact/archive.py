@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.errors import IntegrityError
-from pipeline.fsutil import sha256_file, temp_dir_beside
+from pipeline.core.errors import IntegrityError
+from pipeline.core.fsutil import sha256_file, temp_dir_beside
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 SUFFIX = {"tar.zst": ".tar.zst", "tar.gz": ".tar.gz", "tar": ".tar"}
@@ -166,7 +166,7 @@ def require_verified(build: object) -> VerifiedBuild:
     """What every backend's ``load`` starts with: a ``VerifiedBuild``, never a bare path (loading TorchScript runs
     code)."""
     if not isinstance(build, VerifiedBuild):
-        raise TypeError("backends load only a VerifiedBuild (pipeline.archive.extract_verified / verify_build)")
+        raise TypeError("backends load only a VerifiedBuild (archive.extract_verified or verify_build)")
     return build
 
 

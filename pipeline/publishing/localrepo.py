@@ -11,8 +11,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pipeline.errors import PublishError
-from pipeline.fsutil import CHUNK
+from pipeline.core.errors import PublishError
+from pipeline.core.fsutil import CHUNK
 
 GIT_IDENTITY = ["-c", "user.name=gemma4-neuron-pipeline", "-c", "user.email=pipeline@localhost",
                 "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]

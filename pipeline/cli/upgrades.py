@@ -65,7 +65,7 @@ from packaging.version import InvalidVersion, Version
 
 from pipeline.backends import neuron_sdk
 from pipeline.backends.neuron_sdk import NEURON_INDEX, PINNED_TORCH, SdkRelease, release_part
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 PACKAGES = neuron_sdk.PACKAGES
 UP_TO_DATE, ERROR, UPGRADE_AVAILABLE, TABLE_BEHIND = 0, 1, 3, 4

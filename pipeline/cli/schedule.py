@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from pipeline.log import log
+from pipeline.core.log import log
+from pipeline.core.units import GIB
 from pipeline.stages import phases
 
 PRIORITY = {"publish": 0, "validate": 1, "build": 2}  # finish started variants before starting new ones
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Budget:
 def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: int,
                   quiet_validate: bool = False) -> list[Task]:
     """The three tasks of one variant, with what each needs."""
-    from pipeline import preflight
+    from pipeline.host import preflight
 
     build = preflight.trace_need(resources, backend, shape, max_parallel, [])
     check = preflight.validate_need(resources, backend, shape)
@@ -154,7 +154,7 @@ class Scheduler:
 # -- running tasks in forked processes -------------------------------------------------------------------------------
 
 def _task_main(cfg, stages: tuple[str, ...], log_path: str) -> None:
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
     from pipeline.run import run_pipeline
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -207,8 +207,7 @@ def compose(variant: str | None, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from pipeline.config import load_config
-    from pipeline.run import CONF_DIR
+    from pipeline.run import CONF_DIR, load_config
 
     args = ([f"+variant={variant}"] if variant else []) + overrides
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -216,7 +215,7 @@ def compose(variant: str | None, overrides: list[str]):
 
 
 def measure_budget(backend: str, jobs: int | None, memory_gib: float | None) -> Budget:
-    from pipeline import preflight
+    from pipeline.host import preflight
 
     res = preflight.measure([], with_neuron=backend == "neuron")
     memory = int(memory_gib * GIB) if memory_gib is not None else res.usable_memory
@@ -234,8 +233,8 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
 def main(argv: list[str]) -> int:
     from pipeline.backends import resolve
     from pipeline.config import available_variants
-    from pipeline.errors import ConfigError, PipelineError
-    from pipeline.log import quiet_third_party
+    from pipeline.core.errors import ConfigError, PipelineError
+    from pipeline.core.log import quiet_third_party
     from pipeline.run import CONF_DIR, run_pipeline
     from pipeline.stages import SHARED
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from pipeline.errors import IntegrityError
+from pipeline.core.errors import IntegrityError
 
 SIGNATURE = "manifest.sig"
 MANIFEST = "manifest.json"

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.errors import PublishError
-from pipeline.log import log
+from pipeline.core.errors import PublishError
+from pipeline.core.log import log
 
 RETRY_STATUS = {408, 409, 412, 429, 500, 502, 503, 504}
 AUTH_STATUS = {401, 403}
@@ -128,7 +128,7 @@ def explain(exc: BaseException, repo_id: str, reading: bool = False) -> tuple[st
                       "check publish.repo_id and the token's write access"),
     }[failure(exc)]
     if any("Invalid metadata in README.md" in str(e) for e in causes(exc)):  # hf_api._validate_yaml, or the commit
-        hint = "the Hub refused the model card's metadata (rendered by pipeline/card.py)"
+        hint = "the Hub refused the model card's metadata (rendered by pipeline/publishing/card.py)"
     return said, hint
 
 

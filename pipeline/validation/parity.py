@@ -114,3 +114,10 @@ def judge_logits(errors: LogitErrors, reference: torch.Tensor, settings, noise: 
         else:
             verdict["failures"] = static + three_way
     return verdict
+
+
+def logits_of(tensors: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+    """Prompt ``index``'s reference logits ``[steps, vocab]`` from reference.safetensors (written by the reference
+    stage): fp16 everywhere, exact fp32 on the top-k."""
+    full = tensors[f"{index}.logits"].float()
+    return full.scatter(-1, tensors[f"{index}.topk_indices"].long(), tensors[f"{index}.topk_values"])

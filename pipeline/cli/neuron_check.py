@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 LAYOUTS = (  # (what, the variant built)
     ("device prefill (ModelBuilder, model.pt)", "512_fp32"),
@@ -70,7 +70,7 @@ def _run(check: str, step: Callable[[], str], verdicts: list[Verdict], blocked: 
 def check_packages() -> str:
     from pipeline.backends import neuron_sdk
     from pipeline.backends.neuron import missing_api
-    from pipeline.errors import BuildError
+    from pipeline.core.errors import BuildError
 
     reason = missing_api("device")
     if reason:
@@ -93,8 +93,7 @@ def compose(artifacts: Path, variant: str | None, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from pipeline.config import load_config
-    from pipeline.run import CONF_DIR
+    from pipeline.run import CONF_DIR, load_config
 
     args = [f"artifacts_dir={artifacts}", "model=gemma4_tiny", "backend=neuron", "publish=local", *QUICK_VALIDATION,
             *overrides] + ([f"+variant={variant}"] if variant else [])
@@ -116,7 +115,7 @@ def prepare(artifacts: Path, overrides: list[str]) -> str:
 
 
 def compile_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
-    from pipeline.fsutil import read_json
+    from pipeline.core.fsutil import read_json
 
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("trace",))
@@ -126,7 +125,7 @@ def compile_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
 
 
 def decode_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
-    from pipeline.fsutil import read_json
+    from pipeline.core.fsutil import read_json
 
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("package", "validate"))  # validate raises ParityError on a mismatch
@@ -165,7 +164,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", type=Path, help="build under this folder and keep it (default: a temporary one)")
     args, overrides = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    from pipeline.log import quiet_third_party
+    from pipeline.core.log import quiet_third_party
 
     quiet_third_party()
     visible = next((o.split("=", 1)[1] for o in overrides if o.startswith("backend.visible_cores=")), None)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.backends.base import BuildShape, RankRunner
-from pipeline.errors import InputError
+from pipeline.backends.base import RankRunner
+from pipeline.core.errors import InputError
+from pipeline.core.shape import BuildShape
 from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
 
 

@@ -1,10 +1,10 @@
 """Validation of a packaged build, run in a fresh interpreter through the path a server would use.
 
-``python -m pipeline.validation JOB.json RESULT.json``: verify the archive against its manifest, unpack it safely
-into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge them
-against the reference (``pipeline/parity.py``), then measure throughput. Nothing is loaded before the archive and
-every member match the manifest. The result (metrics and a report a person can act on) is written to RESULT.json;
-the stage process applies the gates.
+``python -m pipeline.validation.worker JOB.json RESULT.json``: verify the archive against its manifest, unpack it
+safely into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge
+them against the reference (``pipeline/validation/parity.py``), then measure throughput. Nothing is loaded before the
+archive and every member match the manifest. The result (metrics and a report a person can act on) is written to
+RESULT.json; the stage process applies the gates.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from types import SimpleNamespace
 
 import torch
 
-from pipeline.archive import extract_verified
+from pipeline.artifact.archive import extract_verified
+from pipeline.artifact.manifest import check as check_manifest
 from pipeline.backends import get_backend
-from pipeline.backends.base import BuildShape
-from pipeline.errors import InputError
-from pipeline.fsutil import atomic_write_json, sha256_file, temp_dir_beside
-from pipeline.generation import Generation, Generator
-from pipeline.log import log, progress
-from pipeline.manifest import check as check_manifest
-from pipeline.parity import judge_logits, logit_errors
-from pipeline.procinfo import die_with_parent, peak_rss_bytes
+from pipeline.core.errors import InputError
+from pipeline.core.fsutil import atomic_write_json, sha256_file, temp_dir_beside
+from pipeline.core.log import log, progress
+from pipeline.core.shape import BuildShape
+from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
+from pipeline.validation.generation import Generation, Generator
+from pipeline.validation.parity import judge_logits, logit_errors, logits_of
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
@@ -212,7 +212,6 @@ def run_job(job: dict) -> dict:
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
-    from pipeline.stages.reference import logits_of
 
     manifest = check_manifest(job["manifest"], "manifest")
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
@@ -277,7 +276,7 @@ def run_job(job: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pipeline.log import quiet_third_party
+    from pipeline.core.log import quiet_third_party
 
     quiet_third_party()
     # The stage that started this process holds its NeuronCores' lease: never outlive it (a killed stage's lease is

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from pipeline.errors import PipelineError
-from pipeline.log import log
+from pipeline.core.errors import PipelineError
+from pipeline.core.log import log
 
 LOCK_DIR = ".locks"
 REPORT_AFTER_S = 1.0

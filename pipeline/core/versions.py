@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 DISTRIBUTION = "gemma4-neuron-pipeline"
 CHECKED = ("torch", "transformers")

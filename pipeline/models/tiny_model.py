@@ -137,7 +137,7 @@ def build_tokenizer(cfg: TinyModelConfig):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.texts import corpus
+    from pipeline.models.texts import corpus
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import PreflightError
+from pipeline.core.errors import PreflightError
+from pipeline.core.units import GIB, parse_size
 
 if TYPE_CHECKING:
-    from pipeline.backends.base import BuildShape
     from pipeline.config import PreflightConfig, ResourceNeed
+    from pipeline.core.shape import BuildShape
 
-GIB = 1 << 30
 SWAP_MARGIN_GIB = 4  # suggested swap beyond the exact shortfall: page cache and the OS need room too
 
 
@@ -263,15 +263,6 @@ def decide(need: Need, res: Resources, swap_file: str = "/swapfile") -> list[str
                             f"{res.neuron_cores}, {res.neuron_cores_busy} of them held by other processes "
                             "(neuron-ls lists them): stop those, or use an instance with more NeuronCores")
     return problems
-
-
-def parse_size(text: str) -> int:
-    """``64G`` / ``512M`` / ``1.5T`` as bytes."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def make_swap(size: int, swap_file: str, runner=subprocess.run, is_root: bool | None = None) -> None:

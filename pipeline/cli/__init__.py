@@ -1,0 +1,2 @@
+"""The subcommands of ``python -m pipeline``: pull, generate, schedule, check-upgrades and neuron-check.
+"""

@@ -1,0 +1,61 @@
+"""The build shape: the variant fields that decide what is traced, their allowed values, and the rank files a
+build holds. Imported by the config schema, the preflight and every backend; it imports nothing heavy (no torch), so
+commands that only read a configuration start fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # variant.dtype -> the torch dtype's name (torch is imported lazily)
+PREFILL_MODES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class BuildShape:
+    """The variant fields that decide what is traced."""
+
+    kv_max: int
+    bucket: int
+    dtype: str
+    prefill: str
+    tp_degree: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these settings, each naming the ``variant.*`` key and the fix."""
+        found = []
+        if self.dtype not in DTYPES:
+            found.append(f"variant.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.prefill not in PREFILL_MODES:
+            found.append(f"variant.prefill={self.prefill!r} is not one of {list(PREFILL_MODES)}")
+        if self.tp_degree < 1:
+            found.append(f"variant.tp_degree={self.tp_degree} must be at least 1")
+        if self.bucket < 1 or self.kv_max < 1:
+            found.append(f"variant.kv_max={self.kv_max} and variant.bucket={self.bucket} must be positive")
+        elif self.bucket > self.kv_max:
+            found.append(f"variant.bucket={self.bucket} is larger than variant.kv_max={self.kv_max}: "
+                         "a prefill bucket must fit in the KV cache; lower bucket or raise kv_max")
+        elif self.kv_max % self.bucket:
+            fit = self.kv_max - self.kv_max % self.bucket
+            found.append(f"variant.kv_max={self.kv_max} is not a multiple of variant.bucket={self.bucket}: a padded "
+                         f"last bucket would run past the cache; use kv_max={fit} or {fit + self.bucket}")
+        return found
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The traced entry points: device prefill has a prefill graph next to decode; host prefill decodes only."""
+        return ("prefill", "decode") if self.prefill == "device" else ("decode",)
+
+
+def rank_members(tp_degree: int) -> list[str]:
+    return [f"tp_{rank}.pt" for rank in range(tp_degree)]

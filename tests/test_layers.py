@@ -1,0 +1,147 @@
+"""The package's layers (README, "Layout"): imports flow one way, and there are no import cycles.
+
+Every import counts, at module level, inside a function, or under ``TYPE_CHECKING``: a lazy import is still a
+dependency, and a cycle through one is still a cycle a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pipeline"
+
+# Lowest first. A module may import its own layer and the layers below it, never one above.
+LAYERS = (
+    ("core",),
+    ("recipe",),
+    ("models",),
+    ("artifact",),
+    ("config", "paths"),
+    ("host",),
+    ("backends",),
+    ("validation",),
+    ("publishing",),
+    ("stages",),
+    ("run",),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The pipeline modules ``path`` imports (``from pipeline.x import y`` counts ``pipeline.x.y`` when that is a
+    module, else ``pipeline.x``)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    return {name: imports_of(path, set(paths)) for name, path in paths.items()}
+
+
+def layer_of(module: str) -> int | None:
+    """The index of ``module``'s layer; None for the package itself (``pipeline/__init__.py``: its version only)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    for index, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return index
+    raise AssertionError(f"{module} is in no layer: add its folder to tests/test_layers.py LAYERS")
+
+
+def test_every_module_has_a_layer_and_imports_none_above_it():
+    wrong = []
+    for module, imported in import_graph().items():
+        mine = layer_of(module)
+        for target in imported:
+            theirs = layer_of(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                wrong.append(f"{module} imports {target} ({LAYERS[theirs][0]} is above {LAYERS[mine][0]})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_package_root_imports_nothing():
+    assert import_graph()["pipeline"] == set()
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module):] + [module]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+@pytest.mark.parametrize("layer, allowed", [
+    ("recipe", ("pipeline.recipe", "pipeline.core.errors", "pipeline.core.versions")),
+    ("core", ("pipeline.core",)),
+])
+def test_recipe_and_core_stand_alone(layer, allowed):
+    """The recipe (the model, its sharding and checkpoint reading) needs only its own errors and the supported
+    transformers range from core; core needs nothing but itself."""
+    for module, imported in import_graph().items():
+        if module.startswith(f"pipeline.{layer}"):
+            outside = [t for t in imported if not t.startswith(allowed)]
+            assert not outside, f"{module} imports {outside}"
+
+
+def test_a_backend_never_imports_a_stage_and_a_stage_never_imports_the_command_line():
+    for module, imported in import_graph().items():
+        if module.startswith("pipeline.backends"):
+            assert not [t for t in imported if t.startswith("pipeline.stages")], module
+        if module.startswith("pipeline.stages"):
+            assert not [t for t in imported if t.startswith(("pipeline.cli", "pipeline.run"))], module
+
+
+def test_the_graph_reader_sees_lazy_and_type_checking_imports(tmp_path, monkeypatch):
+    """The reader this file relies on: an import inside a function or under TYPE_CHECKING is an edge."""
+    package = tmp_path / "pipeline"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "core" / "__init__.py").write_text("")
+    (package / "config.py").write_text("")
+    (package / "core" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from pipeline import config\n\ndef f():\n    from . import b\n")
+    (package / "core" / "b.py").write_text("")
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    assert import_graph()["pipeline.core.a"] == {"pipeline.config", "pipeline.core.b"}
