@@ -36,8 +36,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(PY) -m pipeline --multirun '+variant=glob(*)' backend=cpu
 
+# PYTEST_ARGS=--reverse runs the tests in reverse order (every test must pass alone and in any subset).
+PYTEST_ARGS ?=
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 $(VENV_PRODUCTION)/.installed: pyproject.toml constraints-production.txt
 	$(PYTHON) -m venv $(VENV_PRODUCTION)

@@ -13,6 +13,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the tests in reverse order: a test that leans on an earlier test's side effects fails")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every test must pass alone and in any subset; reversing the order is the cheap audit of that (`make test
+    # PYTEST_ARGS=--reverse`): module- and session-scoped fixtures are then built by what were the last tests.
+    if config.getoption("--reverse"):
+        items.reverse()
+
 NEW_TOKENS = 32
 
 
