@@ -7,7 +7,7 @@ Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
 repository?) and
 ``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout).
 
-Runs the stages of shared/DESIGN.md in order (toolchain, model, reference, trace, package, validate, publish), or
+Runs the stages of docs/design.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
 match their inputs' fingerprint is skipped (``force=true`` rebuilds). ``--multirun '+variant=glob(*)'`` builds every
 variant. Errors a user can act on exit with code 1 and a message naming the setting and the fix.

@@ -1,4 +1,4 @@
-"""Where every stage reads and writes (shared/DESIGN.md, "Artifacts"). One place, so no two stages disagree."""
+"""Where every stage reads and writes (docs/design.md, "Artifacts"). One place, so no two stages disagree."""
 
 from __future__ import annotations
 

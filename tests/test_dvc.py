@@ -210,7 +210,7 @@ def test_dvc_push_and_pull_restore_the_artifacts_from_a_remote(repo, tmp_path):
 
 
 def test_a_direct_run_then_dvc_repro_rebuilds_nothing(tmp_path):
-    """A direct run first (here the cluster recipe's Hydra sweep, README "Across hosts", with the joblib launcher
+    """A direct run first (here the cluster recipe's Hydra sweep, docs/scale.md "Across hosts", with the joblib launcher
     standing in for Slurm's: two variants at once in the checkout), then `dvc repro`: DVC runs each stage's command
     once, since dvc.lock does not know the outputs yet, and every stage finds them current (outputs are persistent,
     the stage's fingerprint decides): nothing is rebuilt, no byte changes, and DVC is up to date afterwards."""

@@ -59,7 +59,7 @@ from pipeline.core.shape import BuildShape, rank_members
 from pipeline.core.units import visible_cores_problems
 
 NEURON_EXTRA_HINT = ("install the Neuron packages on an inf2 host: pip install -e '.[neuron]' "
-                     f"--extra-index-url {NEURON_INDEX} (README: 'On an inf2 host')")
+                     f"--extra-index-url {NEURON_INDEX} (docs/inf2-host.md, 'On an inf2 host')")
 PER_RANK, NXD_MODEL = "per_rank", "nxd_model"
 HOST_OOM_RE = re.compile(r"(returned|exit(?:ed)?(?: with)?(?: code| status)?)\s*:?\s*-9\b|signal\s*(?:9|SIGKILL)\b"
                          r"|\bSIGKILL\b|\bKilled\b", re.IGNORECASE)
