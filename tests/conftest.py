@@ -107,9 +107,13 @@ def neuron_checked(tmp_path_factory):
 
     site = fake_sdk.install(tmp_path_factory.mktemp("neuron-sdk"))
     keep = tmp_path_factory.mktemp("neuron-check")
-    out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check", "--keep", str(keep)], capture_output=True,
-                         text=True, env={**os.environ, **fake_sdk.env(site)}, cwd=Path(__file__).parent.parent,
-                         timeout=600)
+    # The stand-in decodes on this machine's CPU, so inf2's throughput floor (30 tok/s) measures the machine's load,
+    # not the code: a busy 2-core host falls under it. The floor is lowered to the cpu backend's sanity floor here;
+    # the gates themselves are tested in test_validation.py and test_rebuild.py.
+    floor = "validate.throughput.floors.neuron.inf2_8xlarge.tokens_per_s=5"
+    out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check", "--keep", str(keep), floor],
+                         capture_output=True, text=True, env={**os.environ, **fake_sdk.env(site)},
+                         cwd=Path(__file__).parent.parent, timeout=600)
     return out, keep / "artifacts"
 
 
