@@ -43,7 +43,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]
-TWIN_COPY = [".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore", "params.yaml"]
+TWIN_COPY = [".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]  # and the built checkout's params.yaml
 ALWAYS_RUN = "python -c pass"
 NEVER_RUN = "true"
 REPRO = [sys.executable, "-m", "dvc", "repro"]
