@@ -104,10 +104,10 @@ def overview() -> str:
 
 def not_a_subcommand(word: str) -> str | None:
     """Why ``word`` (the first argument) is neither a subcommand nor a Hydra override, or None."""
-    import difflib
-
     if word in SUBCOMMANDS or word.startswith(("-", "+", "~")) or "=" in word:
         return None
+    import difflib  # only for a mistyped subcommand: every build and every dvc.yaml stage starts here
+
     close = difflib.get_close_matches(word, list(SUBCOMMANDS), n=1)
     hint = f": did you mean {close[0]!r}?" if close else ""
     return (f"python -m pipeline: {word!r} is not a subcommand{hint} Subcommands: {', '.join(SUBCOMMANDS)}; a build "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from pipeline.stages.toolchain import (
 )
 
 from .helpers import config, run
+
+REPO = Path(__file__).resolve().parent.parent
 
 # `neuronx-cc --version` (Neuron SDK 2.27).
 NCC_VERSION = """NeuronX Compiler version 2.27.5334.0+f702b353
@@ -94,3 +97,36 @@ def test_the_record_is_rewritten_only_when_it_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(toolchain, "system_packages", lambda: {"aws-neuronx-runtime-lib": "2.28.0.0"})
     assert run(cfg, "toolchain")[0].details["changed"]
     assert json.loads(path.read_text())["system_packages"] == {"aws-neuronx-runtime-lib": "2.28.0.0"}
+
+
+# What the toolchain command has no use for: it reads versions from package metadata and detects the backend from
+# /dev/neuron* and importlib.util.find_spec. Each of these costs a no-op `dvc repro` its import time (torch alone
+# about a second).
+NOT_IMPORTED = ("torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy",
+                "pipeline.backends.base", "pipeline.backends.cpu", "pipeline.backends.neuron")
+
+# `python -m pipeline ARGS` (runpy, as -m does), then the modules it left loaded.
+TOOLCHAIN_COMMAND = """
+import json, runpy, sys
+args, report = sys.argv[1:-1], sys.argv[-1]
+sys.argv = ["pipeline", *args]
+runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+with open(report, "w") as f:
+    json.dump(sorted(sys.modules), f)
+"""
+
+
+def test_the_toolchain_command_imports_no_torch_and_no_backend(tmp_path):
+    """dvc.yaml's always-run stage is ``python -m pipeline stage=toolchain``: every `dvc repro`, even one with nothing
+    to do, pays its start-up, so it imports neither torch nor transformers nor a backend module."""
+    report = tmp_path / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", TOOLCHAIN_COMMAND, "stage=toolchain", "backend=auto",
+                           f"artifacts_dir={tmp_path}", str(report)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "toolchain.json").read_text())
+    assert record["packages"]["torch"]["version"] and record["packages"]["transformers"]["version"]
+    loaded = json.loads(report.read_text())
+    assert "pipeline.stages.toolchain" in loaded and "pipeline.backends" in loaded  # it ran the stage
+    heavy = [name for name in NOT_IMPORTED if any(m == name or m.startswith(f"{name}.") for m in loaded)]
+    assert not heavy, f"python -m pipeline stage=toolchain imported {heavy}"
