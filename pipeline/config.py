@@ -1,35 +1,100 @@
-"""The typed configuration schema, and the validation of a composed Hydra config against it.
+"""The typed configuration schema, each section checking itself beside its fields, and the validation of a composed
+Hydra config against it.
 
 ``structured`` merges a composed config (``conf/`` plus overrides) into the ``PipelineConfig`` dataclasses, turning
-OmegaConf's type errors into messages naming the key and its allowed values; ``problems`` checks every cross-field
-rule. ``pipeline.run.load_config`` joins them (and the stage names, which the stage registry holds) into one
-``ConfigError`` listing every problem, before any stage does any work.
+OmegaConf's errors into messages naming the key and its allowed values (or, for an unknown key, the nearest real
+one: ``unknown_key``, which the command line also asks before Hydra composes anything). ``problems`` joins every
+section's own ``problems()`` and the rules that span sections. ``pipeline.run.load_config`` joins them (and the stage
+names, which the stage registry holds) into one ``ConfigError`` listing every problem, before any stage does any work.
+
+A setting with a fixed set of values is typed with a ``StrEnum`` (pipeline/core/choices.py), so OmegaConf refuses any
+other value; its members are plain strings, so records and fingerprints hold the same strings as before.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
+import functools
 import re
+import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, KeyValidationError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.nodes import EnumNode
 
+from pipeline.artifact.archive import FORMATS
+from pipeline.core.choices import StrEnum, values
 from pipeline.core.errors import ConfigError
-from pipeline.core.shape import DTYPES, PREFILL_MODES, BuildShape
+from pipeline.core.shape import BuildShape, Dtype, Prefill
 from pipeline.core.units import parse_size, visible_cores_problems
 from pipeline.models.tiny_model import TinyModelConfig
 
-BACKENDS = ("auto", "cpu", "neuron")
-MODEL_SOURCES = ("tiny", "hub")
-PUBLISH_TARGETS = ("local", "hub")
-ARCHIVE_FORMATS = ("tar.zst", "tar.gz", "tar")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
 PLACEHOLDER_OWNERS = ("your-org", "your-username", "your-name", "org", "user", "username", "example")
+
+
+class Backend(StrEnum):
+    """What a build runs on: ``backend.name`` once ``auto`` is resolved, and the keys of ``model.resources`` and
+    ``validate.throughput.floors``."""
+
+    cpu = "cpu"
+    neuron = "neuron"
+
+
+# backend.name: a Backend, or auto (neuron when NeuronCores and the Neuron packages are present, else cpu).
+BackendChoice = StrEnum("BackendChoice", [(name, name) for name in ("auto", *values(Backend))], module=__name__)
+# package.format: the archive formats pipeline/artifact/archive.py writes. OmegaConf finds a member by its name,
+# and 'tar.zst' is no Python identifier: hence the functional form, members named as their values.
+ArchiveFormat = StrEnum("ArchiveFormat", [(name, name) for name in FORMATS], module=__name__)
+
+
+class ModelSource(StrEnum):
+    """``model.source``: ``hub`` (a pinned snapshot of ``hub_id``) or ``tiny`` (generated locally from ``tiny``).
+    ``tiny`` comes first: it stands in for a refused value (``structured``), and asks nothing of ``hub_id``."""
+
+    tiny = "tiny"
+    hub = "hub"
+
+
+class ParityMode(StrEnum):
+    """``validate.parity.<dtype>``: how a build's outputs are compared with the float reference's."""
+
+    exact = "exact"
+    teacher_forced = "teacher_forced"
+    logits = "logits"
+
+
+class LogitSlice(StrEnum):
+    """The top-k slices of the reference's logits that ``validate.parity.logits.tol_map`` gives tolerances for."""
+
+    top5 = "top5"
+    top50 = "top50"
+    top1000 = "top1000"
+    all = "all"
+
+
+class Context(StrEnum):
+    """``validate.throughput.contexts``: short_tokens, half of kv_max, and kv_max minus the decoded tokens."""
+
+    short = "short"
+    half = "half"
+    near_max = "near_max"
+
+
+class PublishTarget(StrEnum):
+    """``publish.target``: ``local`` (a folder laid out as the Hub repo) or ``hub``. ``local`` comes first: it stands
+    in for a refused value (``structured``), and asks nothing of ``repo_id``'s owner."""
+
+    local = "local"
+    hub = "hub"
 
 
 @dataclass
@@ -48,13 +113,16 @@ class ResourceNeed:
     disk_gb: float = 0.0
     """Written per variant: compiler work files, the rank files and the archive."""
 
+    def problems(self, key: str) -> list[str]:
+        """Negative needs, each named under ``key``, where this sits (``model.resources.neuron``)."""
+        return [f"{key}.{name}={value} must not be negative" for name, value in vars(self).items() if value < 0]
+
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
     """Directory name under ``artifacts_dir``; one per model."""
-    source: str = "hub"
-    """``hub`` (a pinned snapshot of ``hub_id``) or ``tiny`` (generated locally from ``tiny``)."""
+    source: ModelSource = ModelSource.hub
     hub_id: str | None = None
     revision: str | None = None
     """The Hub commit (40 hex digits) the snapshot is pinned to."""
@@ -65,12 +133,32 @@ class ModelConfig:
     head_key: str = "lm_head.weight"
     allow_patterns: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    resources: dict[str, ResourceNeed] = field(default_factory=dict)
+    resources: dict[Backend, ResourceNeed] = field(default_factory=dict)
     """``resources.<backend>``: what the preflight checks the host against before trace and validate."""
 
     def __post_init__(self) -> None:
         # OmegaConf checks the nested keys but hands back plain dicts inside a dict-typed field.
         self.resources = {k: v if isinstance(v, ResourceNeed) else ResourceNeed(**v) for k, v in self.resources.items()}
+
+    def problems(self) -> list[str]:
+        found = []
+        if not NAME_RE.match(self.name or ""):
+            found.append(f"model.name={self.name!r} must be a plain name (letters, digits, '_', '-', '.')")
+        if self.path is None and self.source == ModelSource.hub:
+            if not self.hub_id or not REPO_ID_RE.match(self.hub_id):
+                found.append(f"model.hub_id={self.hub_id!r} must be a Hub repo id like 'google/gemma-4-E4B-it'")
+            if not self.revision or not REVISION_RE.match(self.revision):
+                found.append(f"model.revision={self.revision!r} must pin a commit (40 hex digits) so builds are "
+                             "reproducible")
+        if self.path is not None and not Path(self.path).is_dir():
+            found.append(f"model.path={self.path!r} is not a directory: point it at a checkpoint folder with "
+                         "config.json")
+        if not self.text_prefix.endswith("."):
+            found.append(f"model.text_prefix={self.text_prefix!r} must end with '.' "
+                         "(e.g. 'model.' or 'model.language_model.')")
+        for backend, need in self.resources.items():
+            found += need.problems(f"model.resources.{backend}")
+        return found
 
 
 @dataclass
@@ -80,22 +168,24 @@ class VariantConfig:
     """KV cache length: prompt plus generated tokens must fit."""
     bucket: int = MISSING
     """Prefill bucket: device prefill runs the prompt in chunks of this many tokens."""
-    dtype: str = MISSING
-    """``bf16`` or ``fp32``: weights, matmuls and KV caches (the residual stream is fp32 either way)."""
-    prefill: str = MISSING
-    """``device`` (prefill and decode graphs over one weight set) or ``host`` (host prefill seeds the KV)."""
+    dtype: Dtype = MISSING
+    prefill: Prefill = MISSING
     tp_degree: int = 2
 
     @property
     def shape(self) -> BuildShape:
         return BuildShape(self.kv_max, self.bucket, self.dtype, self.prefill, self.tp_degree)
 
+    def problems(self) -> list[str]:
+        found = [] if NAME_RE.match(self.name or "") else [f"variant.name={self.name!r} must be a plain name"]
+        return found + self.shape.problems()
+
 
 @dataclass
 class BackendConfig:
-    name: str = "auto"
+    name: BackendChoice = BackendChoice.auto
     """``cpu``, ``neuron``, or ``auto`` (neuron when NeuronCores and the Neuron packages are present)."""
-    compiler_args: dict[str, list[str]] = field(default_factory=dict)
+    compiler_args: dict[Dtype, list[str]] = field(default_factory=dict)
     """neuronx-cc arguments per variant dtype (recorded in the manifest)."""
     compiler_workdir: str | None = None
     compile_cache_dir: str | None = None
@@ -109,6 +199,11 @@ class BackendConfig:
     """NeuronCores a neuron trace or validation uses, like ``0-1`` (NEURON_RT_VISIBLE_CORES); null: the first
     ``tp_degree`` free ones (pipeline/backends/neuron_cores.py)."""
 
+    def problems(self) -> list[str]:
+        if self.max_parallel < 0:
+            return [f"backend.max_parallel={self.max_parallel} must be 0 (all ranks) or positive"]
+        return []
+
 
 @dataclass
 class PreflightConfig:
@@ -117,6 +212,18 @@ class PreflightConfig:
     make_swap: str | None = None
     """Create and enable a swap file of this size (e.g. ``64G``) when memory is short. Needs root."""
     swap_file: str = "/swapfile"
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.make_swap is not None:
+            try:
+                if parse_size(self.make_swap) < 1 << 30:
+                    found.append(f"preflight.make_swap={self.make_swap!r} is under 1 GiB: give a size like 64G")
+            except ValueError:
+                found.append(f"preflight.make_swap={self.make_swap!r} is not a size: write it like 64G or 512M")
+        if not self.swap_file.startswith("/"):
+            found.append(f"preflight.swap_file={self.swap_file!r} must be an absolute path")
+        return found
 
 
 @dataclass
@@ -135,8 +242,9 @@ class PromptConfig:
     """The templated prompt is filled with the shipped passages up to this many tokens."""
     question: str = "Summarise the text above in one paragraph."
 
-
-PARITY_MODES = ("exact", "teacher_forced", "logits")
+    def problems(self, key: str) -> list[str]:
+        """Named under ``key``, where this prompt sits (``validate.prompts[0]``)."""
+        return [f"{key}.max_tokens={self.max_tokens} must be at least 8"] if self.max_tokens < 8 else []
 
 
 @dataclass
@@ -144,26 +252,40 @@ class LogitsConfig:
     """neuronx-distributed-inference's logit matching (pipeline/validation/parity.py)."""
 
     divergence_tol: float = 0.001
-    tol_map: dict[str, list[float]] = field(default_factory=lambda: {
+    tol_map: dict[LogitSlice, list[float]] = field(default_factory=lambda: {
         "top5": [1e-5, 0.01], "top50": [1e-5, 0.02], "top1000": [1e-5, 0.03], "all": [1e-5, 0.05]})
     """Per top-k slice of the reference's logits: [atol, rtol]."""
     dtype_noise: bool = True
     """bf16 only: also pass a prompt whose errors are within noise_multiplier x transformers' own bf16 errors."""
     noise_multiplier: float = 1.5
 
+    def problems(self) -> list[str]:
+        found = []
+        if self.divergence_tol < 0:
+            found.append(f"validate.parity.logits.divergence_tol={self.divergence_tol} must not be negative")
+        if self.noise_multiplier <= 0:
+            found.append(f"validate.parity.logits.noise_multiplier={self.noise_multiplier} must be positive")
+        for key, pair in self.tol_map.items():
+            if len(pair) != 2 or any(v < 0 for v in pair):
+                found.append(f"validate.parity.logits.tol_map.{key}={list(pair)} must be [atol, rtol], both >= 0")
+        return found
+
 
 @dataclass
 class ParityConfig:
-    fp32: str = "exact"
-    bf16: str = "logits"
+    fp32: ParityMode = ParityMode.exact
+    bf16: ParityMode = ParityMode.logits
     teacher_forced_min: float = 0.95
     logits: LogitsConfig = field(default_factory=LogitsConfig)
 
-    def mode(self, dtype: str) -> str:
+    def mode(self, dtype: str) -> ParityMode:
         return getattr(self, dtype)
 
-
-CONTEXTS = ("short", "half", "near_max")
+    def problems(self) -> list[str]:
+        found = self.logits.problems()
+        if not 0.0 <= self.teacher_forced_min <= 1.0:
+            found.append(f"validate.parity.teacher_forced_min={self.teacher_forced_min} must be within [0, 1]")
+        return found
 
 
 @dataclass
@@ -177,22 +299,26 @@ class FloorConfig:
     ttft_ms_host: float | None = None
     """Time to first token at the short context, host-prefill variants."""
 
+    def problems(self, key: str) -> list[str]:
+        """Named under ``key``, where this floor sits (``validate.throughput.floors.neuron.inf2_8xlarge``)."""
+        return [f"{key}.{name}={value} must be positive (or null)" for name, value in vars(self).items()
+                if value is not None and value <= 0]
+
 
 @dataclass
 class ThroughputConfig:
-    contexts: list[str] = field(default_factory=lambda: list(CONTEXTS))
+    contexts: list[Context] = field(default_factory=lambda: list(Context))
     """Prompt lengths measured: short_tokens, half of kv_max, and kv_max minus the decoded tokens."""
     short_tokens: int = 16
     decode_tokens: int = 16
     runs: int = 2
     warmup_runs: int = 1
-    floors: dict[str, dict[str, FloorConfig]] = field(default_factory=dict)
+    floors: dict[Backend, dict[str, FloorConfig]] = field(default_factory=dict)
     """``floors.<backend>.<hardware>``; the hardware name ``any`` matches every hardware of that backend."""
 
     def __post_init__(self) -> None:
-        # OmegaConf checks the nested FloorConfig keys but hands back plain dicts two levels down.
-        self.floors = {backend: {hw: f if isinstance(f, FloorConfig) else FloorConfig(**f) for hw, f in inner.items()}
-                       for backend, inner in self.floors.items()}
+        self.floors = {backend: {hw: _typed_floor(f, f"validate.throughput.floors.{backend}.{hw}")
+                                 for hw, f in inner.items()} for backend, inner in self.floors.items()}
 
     def floor(self, backend: str, hardware: str) -> tuple[str | None, FloorConfig | None]:
         by_hardware = self.floors.get(backend, {})
@@ -200,6 +326,31 @@ class ThroughputConfig:
             if name in by_hardware:
                 return f"{backend}.{name}", by_hardware[name]
         return None, None
+
+    def problems(self) -> list[str]:
+        found = [f"validate.throughput.{key}={value} must be at least 1" for key, value in
+                 (("short_tokens", self.short_tokens), ("decode_tokens", self.decode_tokens), ("runs", self.runs))
+                 if value < 1]
+        if self.warmup_runs < 0:
+            found.append(f"validate.throughput.warmup_runs={self.warmup_runs} must be 0 or more")
+        for backend, by_hardware in self.floors.items():
+            for hardware, floor in by_hardware.items():
+                found += floor.problems(f"validate.throughput.floors.{backend}.{hardware}")
+        return found
+
+
+def _typed_floor(floor: FloorConfig | dict, key: str) -> FloorConfig:
+    """OmegaConf types only the first level of a dict of dicts (omry/omegaconf#1019), so the floors come as plain
+    dicts, unchecked: checked here, an error naming its full key so that ``structured`` reports it as any other."""
+    if isinstance(floor, FloorConfig):
+        return floor
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FloorConfig), floor))
+    except OmegaConfBaseException as exc:
+        exc.full_key = f"{key}.{exc.full_key}"
+        raise
+    # A number keeps the form it was written in (30, not 30.0): the validate stage's fingerprint hashes it.
+    return dataclasses.replace(typed, **{k: v for k, v in floor.items() if isinstance(v, (int, float))})
 
 
 @dataclass
@@ -212,6 +363,27 @@ class ValidateConfig:
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     prompt_names: list[str] | None = None
     """The prompts a variant must validate; null: every prompt that fits its kv_max."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_new_tokens < 1:
+            found.append(f"validate.max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.warmup_prompts < 0:
+            found.append(f"validate.warmup_prompts={self.warmup_prompts} must be 0 or more")
+        found += self._prompt_problems()
+        return found + self.parity.problems() + self.throughput.problems()
+
+    def _prompt_problems(self) -> list[str]:
+        names = [p.name for p in self.prompts]
+        found = [] if self.prompts else ["validate.prompts is empty: validation needs at least one prompt"]
+        if len(set(names)) != len(names):
+            found.append(f"validate.prompts names must be unique, got {names}")
+        for i, prompt in enumerate(self.prompts):
+            found += prompt.problems(f"validate.prompts[{i}]")
+        unknown = sorted(set(self.prompt_names or ()) - set(names))
+        if unknown:
+            found.append(f"validate.prompt_names {unknown} are not in validate.prompts ({names})")
+        return found
 
 
 @dataclass
@@ -232,13 +404,25 @@ class SigningConfig:
             return public_key_pem(self.private_key)
         return None
 
+    def problems(self) -> list[str]:
+        """Keys that cannot be read as PEM elliptic-curve keys (whether a stage needs one: ``problems``)."""
+        from pipeline.artifact.signing import key_problem
+
+        found = (key_problem(path, kind, f"package.signing.{kind}_key")
+                 for kind, path in (("private", self.private_key), ("public", self.public_key)) if path)
+        return [p for p in found if p]
+
 
 @dataclass
 class PackageConfig:
-    format: str = "tar.zst"
+    format: ArchiveFormat = ArchiveFormat["tar.zst"]
     threads: int = 0
     """zstd worker threads (0: one per core). The archive's bytes do not depend on it."""
     signing: SigningConfig = field(default_factory=SigningConfig)
+
+    def problems(self) -> list[str]:
+        found = [f"package.threads={self.threads} must be 0 (one per core) or positive"] if self.threads < 0 else []
+        return found + self.signing.problems()
 
 
 @dataclass
@@ -252,14 +436,21 @@ class RegressionConfig:
     """Largest accepted rise of time to first token, as a fraction of the previous figure."""
     teacher_forced_drop: float = 0.02
     """Largest accepted fall of the teacher-forced match (a share of positions)."""
-    throughput_backends: list[str] = field(default_factory=lambda: ["neuron"])
+    throughput_backends: list[Backend] = field(default_factory=lambda: [Backend.neuron])
     """Backends whose throughput is compared. The cpu backend's timings are reference figures that swing with the
     machine's load by tens of percent between runs, so by default only its parity is compared."""
+
+    def problems(self) -> list[str]:
+        found = [f"publish.regression.{key}={getattr(self, key)} must be a fraction within [0, 1]"
+                 for key in ("tokens_per_s_drop", "teacher_forced_drop") if not 0.0 <= getattr(self, key) <= 1.0]
+        if self.ttft_ms_rise < 0:
+            found.append(f"publish.regression.ttft_ms_rise={self.ttft_ms_rise} must not be negative")
+        return found
 
 
 @dataclass
 class PublishConfig:
-    target: str = "local"
+    target: PublishTarget = PublishTarget.local
     repo_id: str = "gemma-4-E4B-it-inferentia2"
     local_dir: str = "published"
     """For ``target=local``: the folder laid out as the Hub repo would be (relative to ``artifacts_dir``)."""
@@ -274,6 +465,25 @@ class PublishConfig:
     allow_demo: bool = False
     """Publish to the Hub a build that is not a real model compiled for Inferentia (the embedded tiny model, or a cpu
     backend build); its model card then says what it is. Local publishing takes them always."""
+
+    def problems(self) -> list[str]:
+        found = self._repo_problems()
+        if self.retries < 1 or self.retry_base_s < 0 or self.retry_max_s < self.retry_base_s:
+            found.append(f"publish.retries={self.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
+                         f"(got {self.retry_base_s}, {self.retry_max_s})")
+        return found + self.regression.problems()
+
+    def _repo_problems(self) -> list[str]:
+        repo_id, found = self.repo_id or "", []
+        if self.target == PublishTarget.hub and repo_id.split("/")[0] in PLACEHOLDER_OWNERS:
+            found.append(f"publish.repo_id={self.repo_id!r} is the documentation's placeholder: set it to the "
+                         "repository to publish to, publish.repo_id=<your org>/<repo>")
+        elif self.target == PublishTarget.hub and "/" not in repo_id:
+            found.append(f"publish.repo_id={self.repo_id!r} names no owner: publish=hub needs 'owner/name'")
+        if not REPO_ID_RE.match(repo_id) or len(repo_id) > 96:
+            found.append(f"publish.repo_id={self.repo_id!r} must look like 'name' or 'owner/name' (letters, "
+                         "digits, '-', '_', '.')")
+        return found
 
 
 @dataclass
@@ -307,15 +517,38 @@ class PipelineConfig:
         return self.model_dir / self.variant.name
 
 
-def _type_error_message(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None) or "?"
-    text = str(exc).splitlines()[0]
-    if isinstance(exc, ConfigKeyError):
-        return f"unknown key {key!r} (misspelt? see conf/ for the keys each group has)"
-    if isinstance(exc, MissingMandatoryValue):
-        return f"{key} is required but not set"
-    return f"{key}: {text}"
+# -- checking a typed config ------------------------------------------------------------------------------------------
 
+def problems(cfg: PipelineConfig) -> list[str]:
+    """Every semantic problem of a typed config, each naming the key and the fix: each section's own, then the
+    rules between sections."""
+    sections = (cfg.model, cfg.variant, cfg.backend, cfg.validate, cfg.package, cfg.publish, cfg.preflight)
+    found = [p for section in sections if section is not None for p in section.problems()]
+    return found + _cores_for_variant(cfg) + _signing_for_stage(cfg)
+
+
+def _cores_for_variant(cfg: PipelineConfig) -> list[str]:
+    """backend.visible_cores names exactly variant.tp_degree NeuronCores."""
+    if cfg.backend.visible_cores is None or cfg.variant is None:
+        return []
+    return visible_cores_problems(cfg.backend.visible_cores, cfg.variant.tp_degree, None)
+
+
+def _signing_for_stage(cfg: PipelineConfig) -> list[str]:
+    """A stage that signs has a private key, and validate a key to verify with, unless unsigned builds are allowed."""
+    sig = cfg.package.signing
+    if sig.allow_unsigned:
+        return []
+    if cfg.stage in ("all", "package", "publish") and not sig.private_key:
+        return [f"package.signing.allow_unsigned=false but package.signing.private_key is not set: stage "
+                f"{cfg.stage!r} signs; give the key, or set allow_unsigned=true"]
+    if cfg.stage == "validate" and not (sig.private_key or sig.public_key):
+        return ["package.signing.allow_unsigned=false but no key is set: give package.signing.public_key "
+                "to verify, or set allow_unsigned=true"]
+    return []
+
+
+# -- merging a composed config into the schema ------------------------------------------------------------------------
 
 MAX_TYPE_ERRORS = 50  # reported at once; a config with more is hopeless anyway
 
@@ -324,185 +557,188 @@ def structured(cfg: DictConfig | dict) -> PipelineConfig:
     """Merge into the schema and convert to dataclasses.
 
     Every type error and unknown key becomes one line of a ``ConfigError``, together with the semantic problems of
-    the rest of the config (each bad key is dropped in turn, its default standing in), so one run names them all.
+    the rest of the config, so one run names them all. To check the rest, each bad key is set aside in turn: a
+    refused choice is replaced by its enum's first member (each enum lists first the member that asks nothing of
+    other keys: ``tiny`` before ``hub``), any other bad key is dropped, its default standing in (a key without a
+    default takes its section with it).
     """
     data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
     found: list[str] = []
+    reported: set[str] = set()
     typed = None
     for _ in range(MAX_TYPE_ERRORS):
         try:
             typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
             break
         except OmegaConfBaseException as exc:
-            found.append(_type_error_message(exc))
-            if not _drop_key(data, getattr(exc, "full_key", None)):
+            key = getattr(exc, "full_key", None) or ""
+            if isinstance(exc, MissingMandatoryValue) and key in reported:
+                # Its bad value was dropped and it has no default: its section goes too (its own checks need it).
+                key = key.rpartition(".")[0]
+            else:
+                found.append(_type_error_message(exc))
+                reported.add(key)
+            if not _set_aside(data, key, _refused_choice(exc)):
                 break
     if found:
         raise ConfigError(found + (problems(typed) if typed is not None else []))
     return typed
 
 
-def _drop_key(data: dict, full_key: str | None) -> bool:
-    """Remove dotted ``full_key`` from ``data``; False when it cannot be found (a list element, say)."""
-    if not full_key or "[" in full_key:
+def _type_error_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or "?"
+    text = f"{key}: {str(exc).splitlines()[0]}"
+    if isinstance(exc, ConfigKeyError):  # a key the schema lacks
+        return unknown_key(key) or f"unknown key {key!r}"
+    if isinstance(exc, KeyValidationError):  # e.g. a key of an enum-keyed dict that is not a member
+        return unknown_key(key) or text
+    if isinstance(exc, MissingMandatoryValue):
+        return f"{key} is required but not set"
+    choices = _refused_choice(exc)
+    return f"{key}={exc.value!r} is not one of {values(choices)}" if choices else text
+
+
+def _refused_choice(exc: OmegaConfBaseException) -> type[Enum] | None:
+    """The enum a refused (or missing) value was to be a member of: an Enum-typed field's, or a list of them's
+    elements'; None for any other error."""
+    if isinstance(exc, (ConfigKeyError, KeyValidationError)):
+        return None
+    child = getattr(exc, "child_node", None)
+    if isinstance(child, EnumNode):
+        return child.enum_type
+    element = getattr(getattr(getattr(exc, "parent_node", None), "_metadata", None), "element_type", None)
+    return element if _is_enum(element) else None
+
+
+def _set_aside(data: dict, full_key: str, choices: type[Enum] | None) -> bool:
+    """Replace the value at ``full_key`` (dotted, list indices in brackets) in ``data`` by the first of ``choices``,
+    or remove it when there are none; False when it is not there."""
+    if not full_key:
         return False
-    *parents, last = full_key.split(".")
-    node = data
+    *parents, last = _key_parts(full_key)
+    node: Any = data
     for part in parents:
-        node = node.get(part) if isinstance(node, dict) else None
-    if not isinstance(node, dict) or last not in node:
+        node = _item(node, part)
+    index: Any = last
+    if isinstance(node, list) and _item(node, last) is not None:
+        index = int(last)
+    elif not (isinstance(node, dict) and (last in node or choices is not None)):
         return False
-    del node[last]
+    if choices is not None:
+        node[index] = values(choices)[0]
+    else:
+        del node[index]
     return True
 
 
-def _choice(key: str, value: Any, allowed: tuple) -> list[str]:
-    return [] if value in allowed else [f"{key}={value!r} is not one of {list(allowed)}"]
+def _item(node: Any, part: str) -> Any:
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    return None
 
 
-def problems(cfg: PipelineConfig) -> list[str]:
-    """Every semantic problem of a typed config, each naming the key and the fix."""
+# -- unknown keys: the nearest real one ----------------------------------------------------------------------------
+
+def unknown_key(full_key: str) -> str | None:
+    """Why ``full_key`` (``validate.max_new_tokenz``; list indices in brackets) is no key of the schema, naming the
+    nearest real key, or None when it is one. Keys of a dict with free-form keys (``floors.neuron.<hardware>``) are
+    all accepted."""
+    parts = _key_parts(full_key)
+    schema: Any = PipelineConfig
+    for depth, part in enumerate(parts):
+        keys = _keys_there(schema, part)
+        if keys is not None:
+            return _unknown_message(full_key, parts, depth, keys)
+        schema = _type_under(schema, part)
+    return None
+
+
+def _unknown_message(full_key: str, parts: list[str], depth: int, keys: list[str]) -> str:
+    near = _nearest(parts, depth, keys)
+    if near:
+        return f"unknown key {full_key!r}: did you mean {near!r}?"
+    where = _join(parts[:depth])
+    if not keys:
+        return f"unknown key {full_key!r}: {where} is a value, it has no keys"
+    return f"unknown key {full_key!r}: {where or 'the top level'} has {', '.join(keys)}"
+
+
+def _nearest(parts: list[str], depth: int, keys: list[str]) -> str | None:
+    """The real key nearest to ``parts``, whose part at ``depth`` is not among ``keys``: that part corrected, else (a
+    key put in the wrong section) the key of the nearest name elsewhere."""
+    close = difflib.get_close_matches(parts[depth], keys, n=1)
+    if close:  # the misspelt part corrected, and the rest kept if it then names a key
+        fixed = [*parts[:depth], close[0], *parts[depth + 1:]]
+        return _join(fixed) if unknown_key(_join(fixed)) is None else _join(fixed[:depth + 1])
+    if depth == 0 or depth != len(parts) - 1:
+        return None
+    by_name: dict[str, list[str]] = {}
+    for key in _schema_keys(PipelineConfig):
+        by_name.setdefault(key.rpartition(".")[2], []).append(key)
+    close = difflib.get_close_matches(parts[depth], list(by_name), n=1)
+    given = _join(parts)
+    return max(by_name[close[0]], key=lambda k: difflib.SequenceMatcher(None, k, given).ratio()) if close else None
+
+
+def _keys_there(schema: Any, part: str) -> list[str] | None:
+    """None when ``part`` is a key of a config node of schema type ``schema``; else the keys that node has."""
+    schema = _non_optional(schema)
+    origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if dataclasses.is_dataclass(schema):
+        keys = [f.name for f in dataclasses.fields(schema)]
+    elif origin is dict and _is_enum(args[0]):
+        keys = values(args[0])
+    elif origin is dict or (origin is list and part.isdigit()):
+        return None
+    else:
+        keys = []
+    return None if part in keys else keys
+
+
+def _type_under(schema: Any, part: str) -> Any:
+    schema = _non_optional(schema)
+    if dataclasses.is_dataclass(schema):
+        return _field_types(schema)[part]
+    return typing.get_args(schema)[-1]  # a dict's values, a list's elements
+
+
+@functools.cache
+def _schema_keys(schema: Any, prefix: str = "") -> tuple[str, ...]:
+    """Every key of the schema's sections (not those inside its dicts and lists), dotted."""
     found: list[str] = []
-    m = cfg.model
-    found += _choice("model.source", m.source, MODEL_SOURCES)
-    if not NAME_RE.match(m.name or ""):
-        found.append(f"model.name={m.name!r} must be a plain name (letters, digits, '_', '-', '.')")
-    if m.path is None and m.source == "hub":
-        if not m.hub_id or not REPO_ID_RE.match(m.hub_id):
-            found.append(f"model.hub_id={m.hub_id!r} must be a Hub repo id like 'google/gemma-4-E4B-it'")
-        if not m.revision or not REVISION_RE.match(m.revision):
-            found.append(f"model.revision={m.revision!r} must pin a commit (40 hex digits) so builds are reproducible")
-    if m.path is not None and not Path(m.path).is_dir():
-        found.append(f"model.path={m.path!r} is not a directory: point it at a checkpoint folder with config.json")
-    if not m.text_prefix.endswith("."):
-        found.append(f"model.text_prefix={m.text_prefix!r} must end with '.' "
-                     "(e.g. 'model.' or 'model.language_model.')")
-
-    if cfg.variant is not None:
-        v = cfg.variant
-        if not NAME_RE.match(v.name or ""):
-            found.append(f"variant.name={v.name!r} must be a plain name")
-        found += _choice("variant.dtype", v.dtype, tuple(DTYPES))
-        found += _choice("variant.prefill", v.prefill, PREFILL_MODES)
-        found += [p for p in v.shape.problems() if not p.startswith(("variant.dtype", "variant.prefill"))]
-
-    for backend, need in m.resources.items():
-        found += _choice("model.resources key", backend, ("cpu", "neuron"))
-        for key, value in vars(need).items():
-            if value < 0:
-                found.append(f"model.resources.{backend}.{key}={value} must not be negative")
-
-    found += _choice("backend.name", cfg.backend.name, BACKENDS)
-    if cfg.backend.visible_cores is not None and cfg.variant is not None:
-        found += visible_cores_problems(cfg.backend.visible_cores, cfg.variant.tp_degree, None)
-    if cfg.backend.max_parallel < 0:
-        found.append(f"backend.max_parallel={cfg.backend.max_parallel} must be 0 (all ranks) or positive")
-    for dtype in cfg.backend.compiler_args:
-        found += _choice(f"backend.compiler_args key {dtype!r} (a variant dtype)", dtype, tuple(DTYPES))
-
-    val = cfg.validate
-    if val.max_new_tokens < 1:
-        found.append(f"validate.max_new_tokens={val.max_new_tokens} must be at least 1")
-    if not val.prompts:
-        found.append("validate.prompts is empty: validation needs at least one prompt")
-    names = [p.name for p in val.prompts]
-    if len(set(names)) != len(names):
-        found.append(f"validate.prompts names must be unique, got {names}")
-    for i, p in enumerate(val.prompts):
-        if p.max_tokens < 8:
-            found.append(f"validate.prompts[{i}].max_tokens={p.max_tokens} must be at least 8")
-    if val.warmup_prompts < 0:
-        found.append(f"validate.warmup_prompts={val.warmup_prompts} must be 0 or more")
-    par = val.parity
-    for dtype in DTYPES:
-        found += _choice(f"validate.parity.{dtype}", getattr(par, dtype), PARITY_MODES)
-    if not 0.0 <= par.teacher_forced_min <= 1.0:
-        found.append(f"validate.parity.teacher_forced_min={par.teacher_forced_min} must be within [0, 1]")
-    lg = par.logits
-    if lg.divergence_tol < 0:
-        found.append(f"validate.parity.logits.divergence_tol={lg.divergence_tol} must not be negative")
-    if lg.noise_multiplier <= 0:
-        found.append(f"validate.parity.logits.noise_multiplier={lg.noise_multiplier} must be positive")
-    tp = val.throughput
-    for c in tp.contexts:
-        found += _choice("validate.throughput.contexts entry", c, CONTEXTS)
-    for key, value in (("short_tokens", tp.short_tokens), ("decode_tokens", tp.decode_tokens), ("runs", tp.runs)):
-        if value < 1:
-            found.append(f"validate.throughput.{key}={value} must be at least 1")
-    if tp.warmup_runs < 0:
-        found.append(f"validate.throughput.warmup_runs={tp.warmup_runs} must be 0 or more")
-    for backend, by_hardware in tp.floors.items():
-        found += _choice("validate.throughput.floors key", backend, ("cpu", "neuron"))
-        for hardware, floor in by_hardware.items():
-            for name in ("tokens_per_s", "ttft_ms_device", "ttft_ms_host"):
-                value = getattr(floor, name)
-                if value is not None and value <= 0:
-                    found.append(f"validate.throughput.floors.{backend}.{hardware}.{name}={value} "
-                                 "must be positive (or null)")
-    if val.prompt_names is not None:
-        unknown = sorted(set(val.prompt_names) - {p.name for p in val.prompts})
-        if unknown:
-            known = [p.name for p in val.prompts]
-            found.append(f"validate.prompt_names {unknown} are not in validate.prompts ({known})")
-    slices = ("top5", "top50", "top1000", "all")
-    if sorted(lg.tol_map) != sorted(slices):
-        found.append(f"validate.parity.logits.tol_map has keys {sorted(lg.tol_map)}, expected exactly {list(slices)}")
-    for key, pair in lg.tol_map.items():
-        if len(pair) != 2 or any(v < 0 for v in pair):
-            found.append(f"validate.parity.logits.tol_map.{key}={list(pair)} must be [atol, rtol], both >= 0")
-
-    found += _choice("package.format", cfg.package.format, ARCHIVE_FORMATS)
-    if cfg.package.threads < 0:
-        found.append(f"package.threads={cfg.package.threads} must be 0 (one per core) or positive")
-    found += signing_problems(cfg)
-    found += _choice("publish.target", cfg.publish.target, PUBLISH_TARGETS)
-    if cfg.publish.target == "hub" and (cfg.publish.repo_id or "").split("/")[0] in PLACEHOLDER_OWNERS:
-        found.append(f"publish.repo_id={cfg.publish.repo_id!r} is the documentation's placeholder: set it to the "
-                     "repository to publish to, publish.repo_id=<your org>/<repo>")
-    elif cfg.publish.target == "hub" and "/" not in (cfg.publish.repo_id or ""):
-        found.append(f"publish.repo_id={cfg.publish.repo_id!r} names no owner: publish=hub needs 'owner/name'")
-    if not REPO_ID_RE.match(cfg.publish.repo_id or "") or len(cfg.publish.repo_id) > 96:
-        found.append(f"publish.repo_id={cfg.publish.repo_id!r} must look like 'name' or 'owner/name' (letters, "
-                     "digits, '-', '_', '.')")
-    if cfg.publish.retries < 1 or cfg.publish.retry_base_s < 0 or cfg.publish.retry_max_s < cfg.publish.retry_base_s:
-        found.append(f"publish.retries={cfg.publish.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
-                     f"(got {cfg.publish.retry_base_s}, {cfg.publish.retry_max_s})")
-    reg = cfg.publish.regression
-    for key in ("tokens_per_s_drop", "teacher_forced_drop"):
-        if not 0.0 <= getattr(reg, key) <= 1.0:
-            found.append(f"publish.regression.{key}={getattr(reg, key)} must be a fraction within [0, 1]")
-    for backend in reg.throughput_backends:
-        found += _choice("publish.regression.throughput_backends entry", backend, ("cpu", "neuron"))
-    if reg.ttft_ms_rise < 0:
-        found.append(f"publish.regression.ttft_ms_rise={reg.ttft_ms_rise} must not be negative")
-    if cfg.preflight.make_swap is not None:
-        try:
-            if parse_size(cfg.preflight.make_swap) < 1 << 30:
-                found.append(f"preflight.make_swap={cfg.preflight.make_swap!r} is under 1 GiB: give a size like 64G")
-        except ValueError:
-            found.append(f"preflight.make_swap={cfg.preflight.make_swap!r} is not a size: write it like 64G or 512M")
-    if not cfg.preflight.swap_file.startswith("/"):
-        found.append(f"preflight.swap_file={cfg.preflight.swap_file!r} must be an absolute path")
-    return found
+    for name, hint in _field_types(schema).items():
+        found.append(prefix + name)
+        if dataclasses.is_dataclass(_non_optional(hint)):
+            found += _schema_keys(_non_optional(hint), f"{prefix}{name}.")
+    return tuple(found)
 
 
-def signing_problems(cfg: PipelineConfig) -> list[str]:
-    from pipeline.artifact.signing import key_problem
+def _field_types(schema: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
 
-    sig = cfg.package.signing
-    found = [p for p in (
-        key_problem(sig.private_key, "private", "package.signing.private_key") if sig.private_key else None,
-        key_problem(sig.public_key, "public", "package.signing.public_key") if sig.public_key else None,
-    ) if p]
-    if not sig.allow_unsigned:
-        if cfg.stage in ("all", "package", "publish") and not sig.private_key:
-            found.append(f"package.signing.allow_unsigned=false but package.signing.private_key is not set: stage "
-                         f"{cfg.stage!r} signs; give the key, or set allow_unsigned=true")
-        elif cfg.stage == "validate" and not (sig.private_key or sig.public_key):
-            found.append("package.signing.allow_unsigned=false but no key is set: give package.signing.public_key "
-                         "to verify, or set allow_unsigned=true")
-    return found
 
+def _non_optional(schema: Any) -> Any:
+    args = typing.get_args(schema)
+    rest = [a for a in args if a is not type(None)]
+    return rest[0] if type(None) in args and len(rest) == 1 else schema
+
+
+def _is_enum(schema: Any) -> bool:
+    return isinstance(schema, type) and issubclass(schema, Enum)
+
+
+def _key_parts(full_key: str) -> list[str]:
+    return re.sub(r"\[(\d+)\]", r".\1", full_key).split(".")
+
+
+def _join(parts: list[str]) -> str:
+    return "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts).lstrip(".")
+
+
+# -- helpers for other modules ----------------------------------------------------------------------------------------
 
 def available_variants(conf_dir: Path) -> list[str]:
     return sorted(p.stem for p in (conf_dir / "variant").glob("*.yaml"))

@@ -1,6 +1,7 @@
-"""The build shape: the variant fields that decide what is traced, their allowed values, and the rank files a
-build holds. Imported by the config schema, the preflight and every backend; it imports nothing heavy (no torch), so
-commands that only read a configuration start fast.
+"""The build shape: the variant fields that decide what is traced, their allowed values (``Dtype`` and ``Prefill``,
+which the config schema types ``variant.dtype`` and ``variant.prefill`` with), and the rank files a build holds.
+Imported by the config schema, the preflight and every backend; it imports nothing heavy (no torch), so commands
+that only read a configuration start fast.
 """
 
 from __future__ import annotations
@@ -8,11 +9,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeline.core.choices import StrEnum, values
+
 if TYPE_CHECKING:
     import torch
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # variant.dtype -> the torch dtype's name (torch is imported lazily)
-PREFILL_MODES = ("device", "host")
+
+class Dtype(StrEnum):
+    """``variant.dtype``: weights, matmuls and KV caches (the residual stream is fp32 either way)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+    @property
+    def torch_name(self) -> str:
+        """The torch dtype's name (torch is imported lazily)."""
+        return {"bf16": "bfloat16", "fp32": "float32"}[self.value]
+
+
+class Prefill(StrEnum):
+    """``variant.prefill``: ``device`` (prefill and decode graphs over one weight set) or ``host`` (host prefill
+    seeds the KV)."""
+
+    device = "device"
+    host = "host"
 
 
 @dataclass(frozen=True)
@@ -21,23 +41,24 @@ class BuildShape:
 
     kv_max: int
     bucket: int
-    dtype: str
-    prefill: str
+    dtype: str  # a Dtype value (a plain string when read back from a record)
+    prefill: str  # a Prefill value
     tp_degree: int
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, DTYPES[self.dtype])
+        return getattr(torch, Dtype(self.dtype).torch_name)
 
     def problems(self) -> list[str]:
         """Everything wrong with these settings, each naming the ``variant.*`` key and the fix."""
         found = []
-        if self.dtype not in DTYPES:
-            found.append(f"variant.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.prefill not in PREFILL_MODES:
-            found.append(f"variant.prefill={self.prefill!r} is not one of {list(PREFILL_MODES)}")
+        # The config schema's enums refuse these first; a shape read back from a record or a job is checked here.
+        if self.dtype not in values(Dtype):
+            found.append(f"variant.dtype={self.dtype!r} is not one of {values(Dtype)}")
+        if self.prefill not in values(Prefill):
+            found.append(f"variant.prefill={self.prefill!r} is not one of {values(Prefill)}")
         if self.tp_degree < 1:
             found.append(f"variant.tp_degree={self.tp_degree} must be at least 1")
         if self.bucket < 1 or self.kv_max < 1:
