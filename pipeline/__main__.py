@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from pipeline.run import CONF_DIR, run_pipeline
+from pipeline.run import CONF_DIR, run_pipeline, unknown_override_keys
 
 log = logging.getLogger("pipeline")
 
@@ -114,6 +114,13 @@ def not_a_subcommand(word: str) -> str | None:
             "takes overrides KEY=VALUE (python -m pipeline --help)")
 
 
+def refused(problems: list[str]) -> None:
+    """Exit 2 (a usage error, as for a misspelt subcommand) with one line per problem, if there are any."""
+    if problems:
+        print("\n".join(f"python -m pipeline: {p}" for p in problems), file=sys.stderr)
+        sys.exit(2)
+
+
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
 
 
@@ -129,6 +136,8 @@ def main() -> None:
             sys.exit(2)
         if first in ("-h", "--help"):
             print(overview())  # then Hydra's help: the configuration groups and every option
+        else:
+            refused(unknown_override_keys(sys.argv[1:]))
         _hydra_entry()
     except KeyboardInterrupt:
         # One line, not the tracebacks of every frame the interruption passed through: every output is written

@@ -34,6 +34,33 @@ def load_config(raw, variant_choice: str | None = None):
     return typed
 
 
+def unknown_override_keys(overrides: list[str]) -> list[str]:
+    """One line for each command-line override whose key the configuration does not have, naming the nearest real
+    key. Asked before Hydra composes: Hydra would refuse a misspelt key with advice to add it with ``+``, and take a
+    misspelt ``+key=`` as a new key (which ``structured`` then refuses)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from pipeline.config import unknown_key
+
+    parser = OverridesParser.create()
+    found = []
+    for arg in overrides:
+        if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
+            continue  # Hydra's own flags and their values (--multirun, --cfg job)
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue  # Hydra says what is wrong with it
+        key = override.key_or_group
+        if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
+            continue  # Hydra's settings, and config groups under a path (hydra/launcher=...)
+        problem = unknown_key(key)
+        if problem:
+            found.append(problem)
+    return found
+
+
 def run_pipeline(cfg) -> list:
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError
