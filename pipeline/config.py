@@ -677,7 +677,8 @@ def _nearest(parts: list[str], depth: int, keys: list[str]) -> str | None:
     by_name: dict[str, list[str]] = {}
     for key in _schema_keys(PipelineConfig):
         by_name.setdefault(key.rpartition(".")[2], []).append(key)
-    close = difflib.get_close_matches(parts[depth], list(by_name), n=1)
+    # Stricter than for a misspelt part: a name from another section is a guess only when it is nearly the same.
+    close = difflib.get_close_matches(parts[depth], list(by_name), n=1, cutoff=0.8)
     given = _join(parts)
     return max(by_name[close[0]], key=lambda k: difflib.SequenceMatcher(None, k, given).ratio()) if close else None
 
