@@ -1,4 +1,5 @@
-"""Every conf file composes and validates; schema errors name the key and the fix."""
+"""Every conf file composes and validates; schema errors name the key and the fix (an unknown key: the nearest real
+one); choices are enums that hash and write as the plain strings they stand for."""
 
 from __future__ import annotations
 
@@ -67,6 +68,18 @@ def test_params_yaml_lists_only_existing_variants():
     ("stage=compile", "stage='compile' is not one of"),
     ("validate.max_new_tokens=0", "validate.max_new_tokens=0 must be at least 1"),
     ("model.revision=main", "model.revision='main' must pin a commit (40 hex digits)"),
+    ("model.source=git", "model.source='git' is not one of ['tiny', 'hub']"),
+    ("publish.target=s3", "publish.target='s3' is not one of ['local', 'hub']"),
+    ("validate.parity.fp32=close", "validate.parity.fp32='close' is not one of ['exact', 'teacher_forced', 'logits']"),
+    ("validate.throughput.contexts=[short,full]",
+     "validate.throughput.contexts[1]='full' is not one of ['short', 'half', 'near_max']"),
+    ("publish.regression.throughput_backends=[gpu]",
+     "publish.regression.throughput_backends[0]='gpu' is not one of ['cpu', 'neuron']"),
+    ("validate.throughput.floors.neuron.inf2_xlarge.tokens_per_s=fast",  # two levels down: OmegaConf leaves it
+     "validate.throughput.floors.neuron.inf2_xlarge.tokens_per_s: Value 'fast' of type 'str' could not be converted"),
+    ("validate.throughput.floors.cpu.any.tokens_per_s=0", "validate.throughput.floors.cpu.any.tokens_per_s=0 must be "
+                                                          "positive (or null)"),
+    ("model.resources.cpu.disk_gb=-1", "model.resources.cpu.disk_gb=-1.0 must not be negative"),
 ])
 def test_bad_values_are_named_with_their_allowed_values(override, message):
     overrides = ["+variant=512_bf16", override]
@@ -77,14 +90,31 @@ def test_bad_values_are_named_with_their_allowed_values(override, message):
     assert message in str(err.value)
 
 
-def test_unknown_keys_are_named():
-    """A misspelt key in a conf file (Hydra itself refuses a misspelt command-line override)."""
+def test_a_key_misspelt_in_a_conf_file_is_named_with_the_nearest_real_key():
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(composed(["+variant=512_bf16"]))
     data["validate"]["max_new_tokns"] = 3
-    with pytest.raises(ConfigError, match=r"unknown key 'validate.max_new_tokns'"):
+    with pytest.raises(ConfigError) as err:
         load_config(data, "512_bf16")
+    assert err.value.problems == ["unknown key 'validate.max_new_tokns': did you mean 'validate.max_new_tokens'?"]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("+validate.max_new_tokenz=3", "unknown key 'validate.max_new_tokenz': did you mean 'validate.max_new_tokens'?"),
+    ("+variant.max_new_tokens=3", "unknown key 'variant.max_new_tokens': did you mean 'validate.max_new_tokens'?"),
+    ("+model.resources.nuron.disk_gb=1", "unknown key 'model.resources.nuron': did you mean 'model.resources.neuron'?"),
+    ("+validate.throughput.floors.cpu.any.tokens_per_sec=3",  # two levels down: OmegaConf leaves it unchecked
+     "unknown key 'validate.throughput.floors.cpu.any.tokens_per_sec': did you mean "
+     "'validate.throughput.floors.cpu.any.tokens_per_s'?"),
+    ("+validate.foo=1", "unknown key 'validate.foo': validate has max_new_tokens, prompts, warmup_prompts, parity, "
+                        "throughput, prompt_names"),
+])
+def test_an_added_unknown_key_is_named_with_the_nearest_real_key(override, message):
+    """``+section.key=`` passes Hydra (it adds the key) and reaches the schema as an unknown key."""
+    with pytest.raises(ConfigError) as err:
+        load_config(composed(["+variant=512_bf16", override]), "512_bf16")
+    assert err.value.problems == [message]
 
 
 def test_a_variant_whose_name_differs_from_its_file_is_refused():
@@ -96,3 +126,55 @@ def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(composed(["+variant=512_bf16", "variant.dtype=fp16", "backend.name=tpu"]), "512_bf16")
     assert len(err.value.problems) == 2
+
+
+def test_a_refused_value_hides_no_other_problem_and_invents_none():
+    """A refused choice stands in as its enum's first member, so the rest of its section is still checked
+    (variant.kv_max), and no rule fires for a value nobody chose (model.source=hub would ask for model.hub_id);
+    a value of the wrong type is named once, not again as missing."""
+    with pytest.raises(ConfigError) as err:
+        load_config(composed(["+variant=512_bf16", "variant.dtype=fp16", "variant.kv_max=0", "model.source=git",
+                              "publish.target=s3"]), "512_bf16")
+    assert sorted(err.value.problems) == sorted([
+        "variant.dtype='fp16' is not one of ['bf16', 'fp32']",
+        "variant.kv_max=0 and variant.bucket=128 must be positive",
+        "model.source='git' is not one of ['tiny', 'hub']",
+        "publish.target='s3' is not one of ['local', 'hub']"])
+    with pytest.raises(ConfigError) as err:
+        load_config(composed(["+variant=512_bf16", "variant.kv_max=lots", "validate.max_new_tokens=0"]), "512_bf16")
+    assert err.value.problems == ["variant.kv_max: Value 'lots' of type 'str' could not be converted to Integer",
+                                  "validate.max_new_tokens=0 must be at least 1"]
+
+
+def test_choices_hash_and_write_as_the_plain_strings_they_stand_for():
+    """Typing a setting with an enum changes no fingerprint and no record: members format, print and serialise as
+    their values, so a build's fingerprint and version are what they were when these settings were strings."""
+    import json
+    from dataclasses import asdict
+    from enum import Enum
+
+    from pipeline import config
+    from pipeline.core import shape
+    from pipeline.core.records import fingerprint
+    from pipeline.stages import trace
+
+    enums = [e for module in (config, shape) for e in vars(module).values()
+             if isinstance(e, type) and issubclass(e, Enum) and e.__module__ == module.__name__]
+    assert len(enums) >= 9
+    for member in (m for e in enums for m in e):
+        assert f"{member}" == str(member) == member.value and json.dumps(member) == json.dumps(member.value)
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {plain(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value.value if isinstance(value, Enum) else value
+
+    cfg = load_config(composed(["+variant=512_bf16_host", "backend=neuron"]), "512_bf16_host")
+    written = yaml.safe_load((CONF / "variant" / "512_bf16_host.yaml").read_text())
+    assert json.loads(json.dumps(asdict(cfg.variant))) == written  # build.json's "variant", as the conf file says
+    settings = trace.build_settings(cfg, {"weights_digest": "w" * 64}, cfg.backend.name)
+    validate = {"parity": asdict(cfg.validate.parity), "throughput": asdict(cfg.validate.throughput)}
+    assert fingerprint(settings) == fingerprint(plain(settings))
+    assert fingerprint(validate) == fingerprint(plain(validate))
