@@ -33,7 +33,7 @@ def existing_artifacts(tmp_path) -> Path:
     ([], "add +variant=NAME (one of 2048_bf16, 2048_bf16_host, 2048_fp32, 256_bf16_host, 512_bf16, 512_bf16_host, "
          "512_fp32)"),
     (["stage=trace"], "stage 'trace' builds one variant: add +variant=NAME"),
-    (["+variant=512_bf16", "validate.max_new_tokns=3"], "Key 'max_new_tokns' is not in struct"),
+    (["+variant=512_bf16", "validate.max_new_tokns=3"], "did you mean 'validate.max_new_tokens'?"),
     (["+variant=512_bf16", "variant.kv_max=lots"], "variant.kv_max: Value 'lots' of type 'str' could not be converted"),
     (["+variant=512_bf16", "variant.dtype=int8"], "variant.dtype='int8' is not one of ['bf16', 'fp32']"),
     (["+variant=512_bf16", "variant.tp_degree=0"], "variant.tp_degree=0 must be at least 1"),
@@ -92,3 +92,48 @@ def test_a_misspelt_subcommand_is_named_with_the_nearest_one():
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert "'pul' is not a subcommand: did you mean 'pull'?" in wrong.stderr
     assert "missing EQUAL" not in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("validate.max_new_tokenz=3", "unknown key 'validate.max_new_tokenz': did you mean 'validate.max_new_tokens'?"),
+    ("+validate.max_new_tokenz=3", "unknown key 'validate.max_new_tokenz': did you mean 'validate.max_new_tokens'?"),
+    ("valdate.max_new_tokens=3", "unknown key 'valdate.max_new_tokens': did you mean 'validate.max_new_tokens'?"),
+    ("backnd=cpu", "unknown key 'backnd': did you mean 'backend'?"),
+    ("~model.pth", "unknown key 'model.pth': did you mean 'model.path'?"),
+])
+def test_a_misspelt_key_is_named_with_the_nearest_one_before_hydra_starts(tmp_path, override, expected):
+    """One line and exit 2, as for a misspelt subcommand: not Hydra's advice to add the key with '+', and no run
+    directory made."""
+    proc = cli("+variant=512_bf16", override, f"artifacts_dir={tmp_path / 'artifacts'}",
+               f"hydra.run.dir={tmp_path / 'log'}")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"python -m pipeline: {expected}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_key_misspelt_in_a_conf_file_is_named_with_the_nearest_one(tmp_path):
+    """A conf file of one's own (on Hydra's search path) with a misspelt key: refused by the schema, before any
+    stage, naming the key and the nearest real one."""
+    (tmp_path / "conf" / "validate").mkdir(parents=True)
+    validate = (REPO / "conf" / "validate" / "default.yaml").read_text()
+    assert "\nmax_new_tokens: " in validate
+    (tmp_path / "conf" / "validate" / "mine.yaml").write_text(validate.replace("\nmax_new_tokens: ",
+                                                                               "\nmax_new_tokns: "))
+    proc = cli("+variant=512_bf16", "validate=mine", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+               f"artifacts_dir={tmp_path / 'artifacts'}", f"hydra.run.dir={tmp_path / 'log'}")
+    out = proc.stdout + proc.stderr  # Hydra's logging goes to stdout
+    assert proc.returncode == 1, out
+    assert "unknown key 'validate.max_new_tokns': did you mean 'validate.max_new_tokens'?" in out
+    assert "Traceback" not in out and not (tmp_path / "artifacts").exists()
+
+
+def test_overrides_of_real_keys_pass_the_misspelling_check():
+    """Keys of dicts with free-form keys, group choices, Hydra's own settings and flags are not flagged."""
+    from pipeline.run import unknown_override_keys
+
+    assert unknown_override_keys([
+        "--multirun", "+variant=glob(*)", "model=gemma4_e4b", "hydra/launcher=inf2_slurm", "hydra.run.dir=x",
+        "--cfg", "job", "validate.max_new_tokens=8,16", "model.resources.neuron.disk_gb=200",
+        "+validate.throughput.floors.neuron.trn1_2xlarge.tokens_per_s=20", "backend.compiler_args.bf16=[-O1]",
+        "validate.prompts.0.max_tokens=30", "~preflight.make_swap", "model.tiny.hidden_size=64", "stage=trace",
+    ]) == []
