@@ -10,7 +10,8 @@ repository?) and
 Runs the stages of docs/design.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
 match their inputs' fingerprint is skipped (``force=true`` rebuilds). ``--multirun '+variant=glob(*)'`` builds every
-variant. Errors a user can act on exit with code 1 and a message naming the setting and the fix.
+variant. Errors a user can act on exit with code 1 and a message naming the setting and the fix; a misspelt
+subcommand or configuration key exits with code 2 before anything starts, naming the nearest real one.
 """
 
 from __future__ import annotations
