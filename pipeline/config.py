@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import functools
 import re
 import typing
@@ -668,6 +667,8 @@ def _unknown_message(full_key: str, parts: list[str], depth: int, keys: list[str
 def _nearest(parts: list[str], depth: int, keys: list[str]) -> str | None:
     """The real key nearest to ``parts``, whose part at ``depth`` is not among ``keys``: that part corrected, else (a
     key put in the wrong section) the key of the nearest name elsewhere."""
+    import difflib  # only for a misspelt key: every build and every dvc.yaml stage imports this module
+
     close = difflib.get_close_matches(parts[depth], keys, n=1)
     if close:  # the misspelt part corrected, and the rest kept if it then names a key
         fixed = [*parts[:depth], close[0], *parts[depth + 1:]]
