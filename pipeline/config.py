@@ -717,6 +717,7 @@ def _schema_keys(schema: Any, prefix: str = "") -> tuple[str, ...]:
     return tuple(found)
 
 
+@functools.cache
 def _field_types(schema: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(schema)
     return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
