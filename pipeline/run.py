@@ -61,6 +61,21 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
     return found
 
 
+def compose(overrides: list[str], variant: str | None = None):
+    """The validated config that ``python -m pipeline OVERRIDES`` would run, composed through Hydra's API: what the
+    subcommands that run stages (``schedule``, ``neuron-check``) use. A misspelt key is named as on the command line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from pipeline.core.errors import ConfigError
+
+    misspelt = unknown_override_keys(overrides)
+    if misspelt:
+        raise ConfigError(misspelt)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_config(hydra_compose(config_name="config", overrides=overrides), variant)
+
+
 def run_pipeline(cfg) -> list:
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError

@@ -127,6 +127,16 @@ def test_a_key_misspelt_in_a_conf_file_is_named_with_the_nearest_one(tmp_path):
     assert "Traceback" not in out and not (tmp_path / "artifacts").exists()
 
 
+def test_the_scheduler_names_a_misspelt_key_too(tmp_path):
+    """``schedule`` composes through Hydra's API (pipeline.run.compose), not the command line: the same message."""
+    proc = cli("schedule", "--variants", "512_bf16", "validate.max_new_tokenz=3",
+               f"artifacts_dir={tmp_path / 'artifacts'}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "unknown key 'validate.max_new_tokenz': did you mean 'validate.max_new_tokens'?" in out
+    assert "Traceback" not in out and not (tmp_path / "artifacts").exists()
+
+
 def test_overrides_of_real_keys_pass_the_misspelling_check():
     """Keys of dicts with free-form keys, group choices, Hydra's own settings and flags are not flagged."""
     from pipeline.run import unknown_override_keys

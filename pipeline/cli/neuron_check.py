@@ -90,15 +90,11 @@ def check_cores(spec: str | None) -> str:
 
 
 def compose(artifacts: Path, variant: str | None, overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from pipeline.run import CONF_DIR, load_config
+    from pipeline.run import compose as compose_config
 
     args = [f"artifacts_dir={artifacts}", "model=gemma4_tiny", "backend=neuron", "publish=local", *QUICK_VALIDATION,
             *overrides] + ([f"+variant={variant}"] if variant else [])
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return load_config(hydra_compose(config_name="config", overrides=args), variant)
+    return compose_config(args, variant)
 
 
 def stages(cfg, names: tuple[str, ...]) -> None:

@@ -204,14 +204,9 @@ class ForkRunner:
 # -- the command ----------------------------------------------------------------------------------------------------
 
 def compose(variant: str | None, overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from pipeline.run import compose as compose_config
 
-    from pipeline.run import CONF_DIR, load_config
-
-    args = ([f"+variant={variant}"] if variant else []) + overrides
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return load_config(hydra_compose(config_name="config", overrides=args), variant)
+    return compose_config(([f"+variant={variant}"] if variant else []) + overrides, variant)
 
 
 def measure_budget(backend: str, jobs: int | None, memory_gib: float | None) -> Budget:
