@@ -1,4 +1,8 @@
-"""Domain exceptions. Each message names the setting at fault and how to fix it."""
+"""Domain exceptions. Each message names the setting at fault and how to fix it.
+
+A child process (the validation worker) reports its failure with ``to_record`` in its RESULT.json, and the stage
+raises it again with ``from_record``: a ParityError in the child is a ParityError in the stage.
+"""
 
 
 class PipelineError(Exception):
@@ -51,3 +55,30 @@ class PublishError(PipelineError):
 
 class DiskFullError(PipelineError):
     """A write ran out of space (or hit the file size limit). Nothing was kept under its final name."""
+
+
+class StaleInputError(PipelineError):
+    """A stage's input record no longer matches what it was made from (other weights, prompts, configuration or
+    backend): the message names the stage to run again."""
+
+
+def to_record(exc: BaseException) -> dict:
+    """What a child process writes about ``exc`` so that its parent can raise it again (``from_record``)."""
+    record = {"error_type": type(exc).__name__, "error": str(exc)}
+    if isinstance(exc, ConfigError):
+        record["problems"] = exc.problems
+    return record
+
+
+def from_record(record: dict) -> PipelineError | None:
+    """The error ``to_record`` described, as the same class with the same message; None when it was not one of the
+    classes above (a bug or a crash: the caller says the work could not run)."""
+    cls = _CLASSES.get(record.get("error_type", ""))
+    if cls is None:
+        return None
+    if cls is ConfigError:
+        return ConfigError(record.get("problems") or [record["error"]])
+    return cls(record["error"])
+
+
+_CLASSES = {cls.__name__: cls for cls in (PipelineError, *PipelineError.__subclasses__())}

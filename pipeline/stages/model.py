@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import CheckpointError, PipelineError
+from pipeline.core.errors import CheckpointError, StaleInputError
 from pipeline.core.fsutil import atomic_write_json, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.records import code_digest, fingerprint, is_fresh, read_record, require_record
@@ -148,5 +148,5 @@ def load(cfg: PipelineConfig) -> dict:
     paths = Paths.of(cfg)
     record = require_record(paths.model_record, "model", paths.weights)
     if record.get("fingerprint") != fingerprint(identity(cfg)):
-        raise PipelineError(f"{paths.model_record} was made for another model configuration: run stage=model")
+        raise StaleInputError(f"{paths.model_record} was made for another model configuration: run stage=model")
     return record

@@ -16,7 +16,7 @@ import torch
 
 from pipeline import __version__
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import StaleInputError
 from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from pipeline.core.log import log, progress
 from pipeline.core.records import fingerprint, is_fresh, require_record
@@ -135,13 +135,13 @@ def load(cfg: PipelineConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     model_record = model_stage.load(cfg)
     prompts = build_prompts(load_tokenizer(paths.weights), cfg.validate.prompts)
     if record.get("model", {}).get("weights_digest") != model_record["weights_digest"]:
-        raise PipelineError(f"{paths.reference} is stale: it was made for other weights than {paths.weights}; "
-                            "run stage=reference")
+        raise StaleInputError(f"{paths.reference} is stale: it was made for other weights than {paths.weights}; "
+                               "run stage=reference")
     if [p["input_ids"] for p in record.get("prompts", [])] != [p["input_ids"] for p in prompts] \
             or record.get("max_new_tokens") != cfg.validate.max_new_tokens:
-        raise PipelineError(f"{paths.reference} is stale: validate.prompts or validate.max_new_tokens changed since "
-                            "it was made; run stage=reference")
+        raise StaleInputError(f"{paths.reference} is stale: validate.prompts or validate.max_new_tokens changed "
+                               "since it was made; run stage=reference")
     if sha256_file(paths.reference_tensors) != record["logits_file"]["sha256"]:
-        raise PipelineError(f"{paths.reference_tensors} does not match {paths.reference}: "
-                            "run stage=reference force=true")
+        raise StaleInputError(f"{paths.reference_tensors} does not match {paths.reference}: "
+                               "run stage=reference force=true")
     return record, load_file(paths.reference_tensors)

@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeline.backends import get_backend, resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import StaleInputError
 from pipeline.core.fsutil import atomic_write_json, clean_stale_temps
 from pipeline.core.log import log
 from pipeline.core.records import code_digest, fingerprint, read_record, require_record
@@ -35,8 +35,8 @@ from pipeline.stages import toolchain as toolchain_stage
 def backend_name(cfg: PipelineConfig, toolchain: dict) -> str:
     name = resolve(cfg.backend.name)
     if toolchain.get("backend") != name:
-        raise PipelineError(f"artifacts/toolchain.json was recorded for backend {toolchain.get('backend')!r}, this run "
-                            f"uses {name!r}: run stage=toolchain first")
+        raise StaleInputError(f"artifacts/toolchain.json was recorded for backend {toolchain.get('backend')!r}, this "
+                               f"run uses {name!r}: run stage=toolchain first")
     return name
 
 
