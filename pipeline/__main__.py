@@ -16,12 +16,9 @@ subcommand or configuration key exits with code 2 before anything starts, naming
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from pipeline.run import CONF_DIR, run_pipeline, unknown_override_keys
-
-log = logging.getLogger("pipeline")
 
 
 def _hydra_entry() -> None:
@@ -31,17 +28,13 @@ def _hydra_entry() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def task(raw: DictConfig) -> None:
-        from pipeline.core.errors import PipelineError
-        from pipeline.core.log import quiet_third_party
+        from pipeline.core.log import exit_on_error, setup_under_hydra
         from pipeline.run import load_config
 
-        quiet_third_party()
-        try:
+        setup_under_hydra()
+        with exit_on_error():
             cfg = load_config(raw, HydraConfig.get().runtime.choices.get("variant"))
             run_pipeline(cfg)
-        except PipelineError as exc:
-            log.error("%s", exc)
-            sys.exit(1)
 
     task()
 

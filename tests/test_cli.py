@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_ctrl_c_says_one_line_and_exits_130(tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "+variant=512_fp32", "backend=cpu",
                              f"artifacts_dir={tmp_path / 'artifacts'}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,  # Hydra logs to stdout
+                            stderr=subprocess.STDOUT, text=True,  # the log is on stderr
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal gives it
     seen = []
     for line in proc.stdout:
@@ -85,6 +86,27 @@ def test_help_lists_the_subcommands_and_common_overrides_before_hydras_groups():
     assert all(f"  {name} " in ours for name in SUBCOMMANDS) and ", ".join(ORDER) in ours
     assert "+variant=NAME" in ours and "python -m pipeline is powered by Hydra" in ours
     assert "variant: " in hydras and "512_bf16" in hydras
+
+
+LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)")
+
+
+def test_the_build_and_a_subcommand_log_in_one_format(tmp_path):
+    """Hydra sets up the build's logging (conf/hydra/job_logging/), each subcommand its own: the lines look alike,
+    on standard error, and standard output is left to results."""
+    build = cli("+variant=512_fp32", "stage=validate", "backend=cpu", f"artifacts_dir={tmp_path / 'artifacts'}",
+                f"hydra.run.dir={tmp_path / 'log'}")
+    schedule = cli("schedule", "--dry-run", "--variants", "512_fp32", "backend=cpu",
+                   f"artifacts_dir={tmp_path / 'artifacts'}")
+    assert build.returncode == 1 and schedule.returncode == 0, build.stderr + schedule.stderr
+    assert build.stdout == schedule.stdout == ""
+    build_lines = [LINE.fullmatch(line) for line in build.stderr.splitlines()]
+    schedule_lines = [LINE.fullmatch(line) for line in schedule.stderr.splitlines()]
+    assert build_lines and schedule_lines and all(build_lines + schedule_lines), build.stderr + schedule.stderr
+    assert [m.groups()[:2] for m in build_lines] == [("ERROR", "pipeline")]
+    assert build_lines[0][3].endswith("dist/manifest.json: run the package stage first")
+    assert {m.groups()[:2] for m in schedule_lines} == {("INFO", "pipeline")}
+    assert schedule_lines[0][3].startswith("schedule: 1 variants on cpu; budget ")
 
 
 def test_a_misspelt_subcommand_is_named_with_the_nearest_one():

@@ -5,6 +5,7 @@ CAS); the Xet token route's failures are tested with Xet enabled, the path produ
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -199,9 +200,9 @@ def test_an_unvalidated_artifact_is_refused_before_any_request(hub, project, tmp
     root = tmp_path / "artifacts"
     shutil.copytree(project, root, ignore=shutil.ignore_patterns("logs"))
     cfg = hub_cfg(root)
-    metrics = read_json(Paths.of(cfg).metrics)
-    metrics["gates"] = {"parity": False, "throughput": True, "passed": False}
-    atomic_write_json(Paths.of(cfg).metrics, metrics)
+    report = read_json(Paths.of(cfg).validation_report)
+    report["gates"] = {"parity": False, "throughput": True, "passed": False}
+    atomic_write_json(Paths.of(cfg).validation_report, report)
     calls = len(hub.calls)
     with pytest.raises(PublishError, match="did not pass validation \\(parity gate failed\\)"):
         run(cfg, "publish")
@@ -250,6 +251,13 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
     manifest = json.loads(files_at(hub, version)["256_bf16_host/manifest.json"])
     assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [path.name, path.name + ".manifest.json"]
+    # The HTTP client's request lines only at debug level; the pull's own lines in the one format either way.
+    assert "HTTP Request:" not in proc.stderr and f"INFO pipeline: pull: {version} (commit " in proc.stderr
+    debug = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(tmp_path / "w"),
+                            "--allow-unsigned"], capture_output=True, text=True, timeout=300,
+                           env={**env, "PIPELINE_LOG_LEVEL": "debug"})
+    assert debug.returncode == 0, debug.stderr
+    assert re.search(rf"INFO httpx2?: HTTP Request: GET {hub.url}/api/models/{REPO_ID}", debug.stderr), debug.stderr
 
 
 # -- what may go to the Hub --------------------------------------------------------------------------------------

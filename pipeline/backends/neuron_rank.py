@@ -345,8 +345,10 @@ def stop_with_parent() -> None:
 
 def main(argv: list[str]) -> int:
     from pipeline.core.fsutil import atomic_write_json
+    from pipeline.core.log import setup
     from pipeline.host.procinfo import peak_rss_bytes
 
+    setup()  # the SDK's own log lines in the pipeline's format, beside the stage's on its standard error
     stop_with_parent()
     job = json.loads(Path(argv[0]).read_text())
     if job.get("compile_cache_dir"):

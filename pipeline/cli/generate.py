@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -21,12 +20,11 @@ from pipeline.artifact import manifest as manifest_mod
 from pipeline.artifact.archive import verify_build
 from pipeline.backends import get_backend
 from pipeline.cli.pull import manifest_beside
-from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.errors import InputError
+from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.validation.generation import Generator, check_fits
 from pipeline.validation.prompts import chat_ids
-
-log = logging.getLogger("pipeline")
 
 
 def text_prefix_of(checkpoint: Path) -> str:
@@ -86,12 +84,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    try:
+    setup()
+    with exit_on_error():
         result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix)
-    except PipelineError as exc:
-        log.error("%s", exc)
-        return 1
     print(result["text"])
     log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result["prompt_tokens"],
              result["new_tokens"], result["ttft_ms"], result["tokens_per_s"])

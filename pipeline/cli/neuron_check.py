@@ -21,7 +21,6 @@ Everything is written under a temporary folder (``--keep DIR`` keeps it there), 
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
 import tempfile
@@ -125,10 +124,10 @@ def decode_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
 
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("package", "validate"))  # validate raises ParityError on a mismatch
-    metrics = read_json(artifacts / "gemma4_tiny" / variant / "metrics.json")
-    parity = metrics["parity"]
+    report = read_json(artifacts / "gemma4_tiny" / variant / "validation.json")
+    parity, throughput = report["parity"], report["throughput"]
     return (f"{parity['mode']} parity on {parity['prompts_matched']}/{parity['prompts']} prompts; "
-            f"{metrics['throughput']['tokens_per_s']:.1f} tok/s, first token {metrics['throughput']['ttft_ms']:.0f} ms")
+            f"{throughput['tokens_per_s']:.1f} tok/s, first token {throughput['ttft_ms']:.0f} ms")
 
 
 def run_checks(artifacts: Path, overrides: list[str], visible_cores: str | None) -> list[Verdict]:
@@ -159,10 +158,9 @@ def main(argv: list[str]) -> int:
                                      epilog="Other arguments are Hydra overrides (e.g. backend.visible_cores=0-1).")
     parser.add_argument("--keep", type=Path, help="build under this folder and keep it (default: a temporary one)")
     args, overrides = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    from pipeline.core.log import quiet_third_party
+    from pipeline.core.log import setup
 
-    quiet_third_party()
+    setup()
     visible = next((o.split("=", 1)[1] for o in overrides if o.startswith("backend.visible_cores=")), None)
     work = args.keep.resolve() if args.keep else Path(tempfile.mkdtemp(prefix="gemma4-neuron-check-"))
     try:

@@ -17,7 +17,6 @@ on standard output.
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
 import tempfile
@@ -30,9 +29,8 @@ from pipeline.artifact import signing
 from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
+from pipeline.core.log import exit_on_error, log, setup
 from pipeline.publishing.localrepo import LocalRepo
-
-log = logging.getLogger("pipeline")
 
 
 class LocalSource:
@@ -178,17 +176,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    if args.public_key:
-        problem = signing.key_problem(args.public_key, "public", "--public-key")
+    setup()
+    with exit_on_error():
+        problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
         if problem:
-            log.error("%s", problem)
-            return 1
-    try:
+            raise PipelineError(problem)
         path = pull(source_for(args.source), args.version, args.dest.resolve(), args.public_key, args.allow_unsigned)
-    except PipelineError as exc:
-        log.error("%s", exc)
-        return 1
     print(path)
     return 0
 

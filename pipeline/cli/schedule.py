@@ -32,17 +32,15 @@ share ``artifacts_dir`` with other runs. Prints a table of what ran; exits 1 if 
 from __future__ import annotations
 
 import argparse
-import logging
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from pipeline.core.log import log
+from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.units import GIB
 from pipeline.stages import phases
 
@@ -154,20 +152,16 @@ class Scheduler:
 # -- running tasks in forked processes -------------------------------------------------------------------------------
 
 def _task_main(cfg, stages: tuple[str, ...], log_path: str) -> None:
-    from pipeline.core.errors import PipelineError
     from pipeline.run import run_pipeline
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    try:
+    setup()  # again: the handler the scheduler set writes to its stream, not to this task's file
+    with exit_on_error():
         for stage in stages:
             cfg.stage = stage
             run_pipeline(cfg)
-    except PipelineError as exc:
-        log.error("%s", exc)
-        sys.exit(1)
 
 
 class ForkRunner:
@@ -228,8 +222,7 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
 def main(argv: list[str]) -> int:
     from pipeline.backends import resolve
     from pipeline.config import available_variants
-    from pipeline.core.errors import ConfigError, PipelineError
-    from pipeline.core.log import quiet_third_party
+    from pipeline.core.errors import ConfigError
     from pipeline.run import CONF_DIR, run_pipeline
     from pipeline.stages import SHARED
 
@@ -243,11 +236,10 @@ def main(argv: list[str]) -> int:
                              "(default: on for the neuron backend, off for cpu)")
     parser.add_argument("--dry-run", action="store_true", help="print the tasks, their needs and the budget")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet_third_party()
+    setup()
     known = available_variants(CONF_DIR)
     variants = args.variants.split(",") if args.variants else known
-    try:
+    with exit_on_error():
         unknown = [v for v in variants if v not in known]
         if unknown:
             raise ConfigError(f"--variants {unknown} are not in conf/variant/ ({', '.join(known)})")
@@ -278,9 +270,6 @@ def main(argv: list[str]) -> int:
             outcomes = scheduler.run(plans)
         finally:
             runner.stop()
-    except PipelineError as exc:
-        log.error("%s", exc)
-        return 1
     failed = sorted({o.task.variant for o in outcomes if not o.ok})
     log.info("schedule: at most %d task(s) and %.1f GiB declared at once\n%s", scheduler.peak_tasks,
              scheduler.peak_memory / GIB, summary_table(outcomes, variants))

@@ -66,9 +66,10 @@ from packaging.version import InvalidVersion, Version
 from pipeline.backends import neuron_sdk
 from pipeline.backends.neuron_sdk import NEURON_INDEX, PINNED_TORCH, SdkRelease, release_part
 from pipeline.core.errors import PipelineError
+from pipeline.core.log import EXIT_ERROR, exit_on_error, log, setup
 
 PACKAGES = neuron_sdk.PACKAGES
-UP_TO_DATE, ERROR, UPGRADE_AVAILABLE, TABLE_BEHIND = 0, 1, 3, 4
+UP_TO_DATE, ERROR, UPGRADE_AVAILABLE, TABLE_BEHIND = 0, EXIT_ERROR, 3, 4
 EXIT_CODES = {"current": UP_TO_DATE, "upgrade": UPGRADE_AVAILABLE, "missing": UPGRADE_AVAILABLE, "mixed": ERROR,
               "newer-than-table": TABLE_BEHIND}
 PIP_TIMEOUT_S = 900
@@ -476,30 +477,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rebuild-command", default="dvc repro", help="run after --apply (default: dvc repro)")
     parser.add_argument("--cwd", default=".", help="where the rebuild command runs (default: here)")
     args = parser.parse_args(argv)
+    setup()
+    with exit_on_error():
+        code = check(args)
+    return code
+
+
+def check(args: argparse.Namespace) -> int:
+    """The command's work: a failure to ask pip or the repository is an UpgradeCheckError (exit code ERROR)."""
     try:
         installed = installed_versions(args.python)
         available = {name: offers(args.neuron_index, name) for name in PACKAGES}
         result = plan(installed, available, args.torch or torch_of(installed["torch-neuronx"]) or PINNED_TORCH)
-    except (UpgradeCheckError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        print(f"check-upgrades: {exc}", file=sys.stderr)
-        return ERROR
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        raise UpgradeCheckError(str(exc)) from None
     print(json.dumps(document(result, args.neuron_index), indent=2) if args.json else table(result))
     for message in messages(result):
-        print(f"check-upgrades: {message}", file=sys.stderr)
+        log.warning("check-upgrades: %s", message)
     if result.status in ("missing", "mixed") and result.target_release is None:
-        print(f"check-upgrades: the Neuron repository {args.neuron_index} offers no complete release of the table "
-              f"for torch {result.torch}", file=sys.stderr)
-        return ERROR
+        raise UpgradeCheckError(f"the Neuron repository {args.neuron_index} offers no complete release of the table "
+                                f"for torch {result.torch}")
     if not args.apply or result.status in ("current", "newer-than-table"):
         return result.exit_code
     try:
         install(args.python, args.neuron_index, result, available)
         print(f"rebuilding: {args.rebuild_command}", flush=True)
         code = subprocess.run(shlex.split(args.rebuild_command), cwd=args.cwd).returncode
-    except (UpgradeCheckError, subprocess.TimeoutExpired, OSError) as exc:
-        print(f"check-upgrades: {exc}", file=sys.stderr)
-        return ERROR
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise UpgradeCheckError(str(exc)) from None
     if code != 0:
-        print(f"check-upgrades: the rebuild ({args.rebuild_command}) exited with {code}", file=sys.stderr)
-        return ERROR
+        raise UpgradeCheckError(f"the rebuild ({args.rebuild_command}) exited with {code}")
     return UP_TO_DATE

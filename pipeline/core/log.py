@@ -1,15 +1,109 @@
-"""Logging and progress bars: one ``pipeline`` logger; bars only on a terminal, so CI logs stay quiet."""
+"""Logging: one ``pipeline`` logger, one line format for every command and the processes they start, progress bars
+only on a terminal (so CI logs stay quiet), and the one way a command turns a PipelineError into exit code 1.
+
+The format (``FORMAT``) is set here for the subcommands and the subprocesses (``setup``), and for
+``python -m pipeline`` by Hydra through conf/hydra/job_logging/pipeline.yaml, which names ``Formatter`` below.
+Every command logs to standard error; standard output carries results (pull's path, generate's reply, tables).
+``PIPELINE_LOG_LEVEL=DEBUG`` shows debug lines, the HTTP clients' request lines among them, in every command
+(``hydra.verbose=true`` too, for the main command).
+
+A child process whose output a stage reads (the validation worker) runs with ``PIPELINE_LOG_RELAY=1``: it writes
+each record as one JSON line, and the stage re-logs it (``relay``), so the child's lines reach the stage's own
+handlers (its standard error and Hydra's log file under ``artifacts/logs/``) in the one format.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 
 log = logging.getLogger("pipeline")
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LEVEL_ENV = "PIPELINE_LOG_LEVEL"
+RELAY_ENV = "PIPELINE_LOG_RELAY"
+EXIT_ERROR = 1  # a PipelineError: the message says what to fix; anything else is a bug and keeps its traceback
+# Libraries whose INFO lines are noise in a build log. The HTTP clients log every request at INFO: httpx, or httpx2
+# (its fork, which huggingface_hub 2.x uses); their transports (httpcore, httpcore2) and urllib3 log at DEBUG.
+CHATTY = ("transformers", "huggingface_hub", "torch.distributed", "filelock", "urllib3", "httpx", "httpx2", "httpcore",
+          "httpcore2")
+
+
+class Formatter(logging.Formatter):
+    """``2026-01-31 12:00:00,123 INFO pipeline: validate: 512_fp32 passed every gate``: every command's lines."""
+
+    def __init__(self) -> None:
+        super().__init__(FORMAT)
+
+
+class RecordLine(logging.Formatter):
+    """One JSON object per record, for a parent process to re-log (``relay``); tracebacks stay inside the message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)  # the message, with the exception's traceback when there is one
+        return json.dumps({"name": record.name, "level": record.levelno, "message": message})
+
+
+def level_from_env() -> int:
+    """The level ``PIPELINE_LOG_LEVEL`` names (INFO when unset); a name logging does not know is refused."""
+    name = os.environ.get(LEVEL_ENV, "INFO").strip().upper()
+    value = logging.getLevelName(name)
+    if not isinstance(value, int):
+        raise SystemExit(f"{LEVEL_ENV}={os.environ[LEVEL_ENV]!r} is not a log level: use DEBUG, INFO, WARNING or ERROR")
+    return value
+
+
+def setup() -> None:
+    """Logging for a subcommand or a subprocess: the one format on standard error, at ``PIPELINE_LOG_LEVEL``.
+
+    Replaces any handlers already set (a process forked from a configured one writes to its own log file).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RecordLine() if os.environ.get(RELAY_ENV) else Formatter())
+    logging.basicConfig(level=level_from_env(), handlers=[handler], force=True)
+    _finish()
+
+
+def setup_under_hydra() -> None:
+    """Logging for ``python -m pipeline``, whose handlers and format Hydra set (conf/hydra/job_logging/): the level
+    from ``PIPELINE_LOG_LEVEL`` when it is set (else Hydra's: INFO, or DEBUG with ``hydra.verbose=true``)."""
+    if os.environ.get(LEVEL_ENV):
+        logging.getLogger().setLevel(level_from_env())
+    _finish()
+
+
+def _finish() -> None:
+    logging.captureWarnings(True)  # warnings.warn(...) as log lines in the same format, not bare text
+    quiet_third_party()
+
+
+def relay_env() -> dict[str, str]:
+    """The environment for a child whose output ``relay`` reads: records as JSON lines, at this process's level."""
+    return {RELAY_ENV: "1", LEVEL_ENV: logging.getLevelName(log.getEffectiveLevel())}
+
+
+def relay(lines: Iterable[str], tail: deque[str], source: str) -> None:
+    """Re-log each record a child wrote (``RecordLine``) through this process's handlers, and any other line (a
+    library writing to the stream itself, an interpreter crash) as an INFO record of logger ``source``. Appends the
+    text, tracebacks included, to ``tail`` (a bounded deque) for an error message."""
+    for line in lines:
+        line = line.rstrip("\n")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and {"name", "level", "message"} <= record.keys():
+            logging.getLogger(record["name"]).log(record["level"], "%s", record["message"])
+            tail.extend(record["message"].splitlines())
+        elif line.strip():
+            logging.getLogger(source).info("%s", line)
+            tail.append(line)
 
 
 def interactive() -> bool:
@@ -17,7 +111,7 @@ def interactive() -> bool:
 
 
 def quiet_third_party() -> None:
-    """Silence other libraries' progress bars and chatter unless on a terminal."""
+    """Silence other libraries' progress bars unless on a terminal, and their INFO chatter unless at DEBUG."""
     if not interactive():
         # transformers reads this when it is imported; only a copy imported already needs telling (importing it here
         # would cost every stage process a third of a second).
@@ -27,8 +121,25 @@ def quiet_third_party() -> None:
                 from transformers.utils import logging as hf_logging
 
                 hf_logging.disable_progress_bar()
-    for name in ("transformers", "huggingface_hub", "torch.distributed", "filelock", "urllib3", "httpx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    debug = logging.getLogger().isEnabledFor(logging.DEBUG)
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.WARNING)
+
+
+@contextlib.contextmanager
+def exit_on_error() -> Iterator[None]:
+    """Run a command's work; a PipelineError becomes its message, logged in one line, and exit code 1.
+
+    Every command and forked task uses this: the message names the setting at fault and the fix, so a traceback
+    would only bury it.
+    """
+    from pipeline.core.errors import PipelineError
+
+    try:
+        yield
+    except PipelineError as exc:
+        log.error("%s", exc)
+        raise SystemExit(EXIT_ERROR) from None
 
 
 def progress(iterable, **kwargs):
