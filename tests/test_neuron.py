@@ -429,10 +429,10 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert build["preflight"]["host"]["neuron_cores"] == 2 and build["preflight"]["need"]["neuron_cores"] == 2
     assert build["trace"]["api"] == "ModelBuilder"
     assert build["trace"]["effective_compiler_args"] == FP32_ARGS + ["-O1", "--verbose=35"]
-    metrics = json.loads((variant_dir / "metrics.json").read_text())
+    parity = json.loads((variant_dir / "validation.json").read_text())["parity"]
     # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand;
     # and the load passes only with torch_neuronx imported first.
-    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"] and metrics["parity"]["prompts"] == 3
+    assert parity["mode"] == "exact" and parity["passed"] and parity["prompts"] == 3
 
 
 def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_checked):
@@ -443,11 +443,11 @@ def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_chec
     assert manifest["layout"] == "per_rank" and manifest["compiler"]["args"] == SEED_BF16_ARGS
     build = json.loads((variant_dir / "build.json").read_text())
     assert build["trace"]["api"] == "parallel_model_trace"
-    metrics = json.loads((variant_dir / "metrics.json").read_text())
+    parity = json.loads((variant_dir / "validation.json").read_text())["parity"]
     # Within bf16 noise of the reference on every prompt only if each prompt's caches were seeded where the loaded
     # model reads them: its first forward replaced the state parameters, so the second and third prompts fail
     # unless they are read afresh.
-    assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"] and metrics["parity"]["prompts"] == 3
+    assert parity["mode"] == "logits" and parity["passed"] and parity["prompts"] == 3
 
 
 def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from .helpers import CPU_COMPILER
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"
+LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -48,12 +49,29 @@ def test_every_stage_ran_and_left_its_outputs(built):
     assert re.fullmatch(rf"{VARIANT}-{re.escape(CPU_COMPILER)}-[0-9a-f]{{8}}", manifest["version"])
     assert [m["path"] for m in manifest["members"]] == ["tp_0.pt", "tp_1.pt"]
     metrics = json.loads((vdir / "metrics.json").read_text())
-    assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"] is True
-    assert metrics["throughput"]["tokens_per_s"] > 0 and metrics["throughput"]["ttft_ms"] > 0
+    assert metrics["parity"] == {"passed": True, "mode": "exact"}
+    assert list(metrics["tokens_per_s"]) == list(metrics["ttft_ms"]) == ["short", "half", "near_max"]
+    assert all(v > 0 for v in [*metrics["tokens_per_s"].values(), *metrics["ttft_ms"].values()])
     receipt = json.loads((vdir / "publish.json").read_text())
     assert receipt["tag"] == manifest["version"] and len(receipt["commit"]) == 40
     toolchain = json.loads((root / "toolchain.json").read_text())
     assert toolchain["backend"] == "cpu" and toolchain["packages"]["neuronx-cc"]["version"] is None
+
+
+def test_validation_shows_its_progress_in_the_stages_log(built):
+    """The validation process's lines (one per prompt, one per context length) are in the command's standard error
+    and in the run's log file, in the one format every command uses."""
+    root, first = built
+    assert first.stdout == ""  # results and logs apart: every log line goes to standard error
+    assert first.stderr and all(LINE.match(line) or line.startswith(" ") for line in first.stderr.splitlines())
+    judged = [p["prompt"] for p in json.loads((root / "gemma4_tiny" / VARIANT / "validation.json").read_text())[
+        "prompts"]]
+    shown = re.findall(r"validate: prompt (\d+)/(\d+) (\w+) \(\d+ tokens\): pass \(exact\), ", first.stderr)
+    assert shown == [(str(i), str(len(judged)), name) for i, name in enumerate(judged, 1)]
+    assert re.findall(r"validate: throughput (\d/\d), (\w+) context \((\d+) tokens\): [\d.]+ tokens/s",
+                      first.stderr) == [("1/3", "short", "16"), ("2/3", "half", "256"), ("3/3", "near_max", "495")]
+    log_file = next((root / "logs").rglob("*.log")).read_text()
+    assert all(line in log_file for line in first.stderr.splitlines() if "validate: prompt " in line)
 
 
 def test_the_archive_unpacks_to_one_directory_of_rank_files(built, tmp_path):

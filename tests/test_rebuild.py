@@ -84,16 +84,16 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
         run(cfg, stage)
     second = json.loads(manifest_path.read_text())["version"]
     assert second.startswith("512_fp32-cpu-torch2.13.1-") and second != first
-    metrics_path = tmp_path / "gemma4_tiny" / "512_fp32" / "metrics.json"
-    measured = metrics_path.read_text()
+    report_path = tmp_path / "gemma4_tiny" / "512_fp32" / "validation.json"
+    measured = report_path.read_text()
     slower = json.loads(measured)
     slower["throughput"]["tokens_per_s"] /= 2  # as if the new compiler's code were half as fast
-    metrics_path.write_text(json.dumps(slower))
+    report_path.write_text(json.dumps(slower))
     with pytest.raises(PublishError, match=rf"(?s){second} regressed against {first}.*decode "
                                            r"tokens/s [^\n]*REGRESSED"):
         run(cfg, "publish")
     assert _tags(tmp_path) == [first]  # nothing published
-    metrics_path.write_text(measured)
+    report_path.write_text(measured)
     # The honest figures, with tolerances wide enough for a shared 2-core machine's timing noise.
     run(config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]",
                "publish.regression.tokens_per_s_drop=0.9",

@@ -3,6 +3,9 @@ failure explains itself, throughput is reported NxDI-style and gated, and bad in
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +14,8 @@ import torch
 
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.cpu import CpuBackend
-from pipeline.core.errors import InputError, ParityError, PipelineError, ThroughputError
+from pipeline.core import errors
+from pipeline.core.errors import CheckpointError, InputError, ParityError, PipelineError, ThroughputError
 from pipeline.core.fsutil import atomic_write_json, read_json, sha256_file
 from pipeline.paths import Paths
 
@@ -95,37 +99,54 @@ def test_a_broken_artifact_fails_every_parity_mode(broken, mode):
     cfg = config(broken, *FAST_VALIDATE, f"validate.parity.fp32={mode}")
     with pytest.raises(ParityError, match=f"parity failed \\({mode}\\)"):
         run(cfg, "validate")
-    metrics = read_json(Paths.of(cfg).metrics)
-    assert metrics["gates"]["passed"] is False and metrics["parity"]["passed"] is False
+    assert read_json(Paths.of(cfg).metrics)["parity"] == {"passed": False, "mode": mode}
+    assert read_json(Paths.of(cfg).validation_report)["gates"]["passed"] is False
     with pytest.raises(PipelineError, match="refusing to publish an artifact that did not pass validation"):
         run(cfg, "publish")
 
 
 def test_the_healthy_build_passed_every_gate_and_reports_nxdi_keys(project):
     paths = Paths(project, "gemma4_tiny", "512_fp32")
-    metrics = read_json(paths.metrics)
-    assert metrics["gates"] == {"parity": True, "throughput": True, "passed": True}
-    tput = metrics["throughput"]
+    report = read_json(paths.validation_report)
+    assert report["gates"] == {"parity": True, "throughput": True, "passed": True}
+    tput = report["throughput"]
     for key in ("latency_ms_p50", "latency_ms_p90", "latency_ms_p95", "latency_ms_p99", "latency_ms_p100",
                 "latency_ms_avg", "throughput", "tokens_per_s", "ms_per_token", "ttft_ms"):
         assert tput[key] > 0, key
-    assert metrics["peak_rss_mb"]["host"] > 0 and metrics["peak_rss_mb"]["ranks"] > 0
-    assert all(isinstance(v, (int, float, bool)) or v is None or isinstance(v, (dict, str))
-               for v in metrics.values())
-    report = read_json(paths.validation_report)
+    assert report["contexts"]["short"]["tokens_per_s"] == tput["tokens_per_s"]  # the slowest, of one context
+    assert report["peak_rss_mb"]["host"] > 0 and report["peak_rss_mb"]["ranks"] > 0
     assert report["backend"] == "cpu" and report["hardware"] == "local"
     assert report["throughput_gate"]["floor"] == "cpu.any"
     rows = read_json(paths.plot_rows)
     assert [r["context"] for r in rows] == ["short"] and rows[0]["tokens_per_s"] > 0
 
 
-def test_the_failure_report_says_where_and_why(project, tmp_path):
+def test_metrics_hold_the_headline_figures_only(project):
+    """metrics.json is what dvc metrics show prints, one column per figure: the figures a person compares."""
+    paths = Paths(project, "gemma4_tiny", "512_fp32")
+    metrics, report = read_json(paths.metrics), read_json(paths.validation_report)
+    assert metrics == {
+        "parity": {"passed": True, "mode": "exact"},
+        "tokens_per_s": {"short": report["contexts"]["short"]["tokens_per_s"]},
+        "ttft_ms": {"short": report["contexts"]["short"]["ttft_ms"]},
+        "peak_rss_mb": report["peak_rss_mb"],
+    }
+
+
+def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE)
     break_build("skipped_layer_scalar", root, tmp_path, cfg)
     run(cfg, "package")
-    with pytest.raises(ParityError) as err:
+    with caplog.at_level(logging.INFO, logger="pipeline"), pytest.raises(ParityError) as err:
         run(cfg, "validate")
+    # The validation process's progress, one line per prompt and per context length, is logged by the stage itself.
+    shown = "\n".join(r.getMessage() for r in caplog.records if r.name == "pipeline")
+    assert re.search(r"^validate: prompt 1/2 capital \(26 tokens\): FAIL \(exact\), \d+ new tokens, first token "
+                     r"[\d.]+ ms$", shown, re.MULTILINE), shown
+    assert re.search(r"^validate: prompt 2/2 spans_64 \(\d+ tokens\): (pass|FAIL) \(exact\)", shown, re.MULTILINE)
+    assert re.search(r"^validate: throughput 1/1, short context \(16 tokens\): [\d.]+ tokens/s, first token [\d.]+ ms$",
+                     shown, re.MULTILINE), shown
     message = str(err.value)
     assert "capital (26 tokens), first divergence at new token 0" in message
     assert "reference top:" in message and "ours top:" in message
@@ -140,9 +161,8 @@ def test_bf16_passes_on_its_logits(project, tmp_path):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE, variant="512_bf16")
     run(cfg)
-    metrics = read_json(Paths.of(cfg).metrics)
-    assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"] is True
-    assert metrics["parity"]["teacher_forced_match"] >= 0.9
+    assert read_json(Paths.of(cfg).metrics)["parity"] == {"passed": True, "mode": "logits"}
+    assert read_json(Paths.of(cfg).validation_report)["parity"]["teacher_forced_match"] >= 0.9
 
 
 def test_a_throughput_floor_fails_the_stage_with_a_table(project, tmp_path):
@@ -150,7 +170,47 @@ def test_a_throughput_floor_fails_the_stage_with_a_table(project, tmp_path):
     cfg = config(root, *FAST_VALIDATE, "+validate.throughput.floors.cpu.local.tokens_per_s=100000")
     with pytest.raises(ThroughputError, match=r"below the cpu.local floor:[\s\S]*decode tokens/s .* vs limit 100000"):
         run(cfg, "validate")
-    assert read_json(Paths.of(cfg).metrics)["gates"] == {"parity": True, "throughput": False, "passed": False}
+    assert read_json(Paths.of(cfg).validation_report)["gates"] == {"parity": True, "throughput": False,
+                                                                    "passed": False}
+
+
+# -- errors in the validation process ---------------------------------------------------------------------------
+
+def replace_weights(root: Path, tmp_path: Path, edit) -> None:
+    """Edit the checkpoint the validation process reads (the stage itself reads only its tokenizer)."""
+    weights = Paths(root, "gemma4_tiny", "512_fp32").weights
+    edited = edited_checkpoint(weights, tmp_path / "edited", edit)
+    weights.unlink() if weights.is_symlink() else shutil.rmtree(weights)
+    shutil.move(edited, weights)
+
+
+def test_an_error_in_the_validation_process_keeps_its_class(project, tmp_path):
+    root = clone_variant(project, tmp_path)
+    replace_weights(root, tmp_path, lambda tensors: tensors.pop("model.embed_tokens.weight"))
+    with pytest.raises(CheckpointError, match=r"^missing tensor 'model.embed_tokens.weight' in ") as err:
+        run(config(root, *FAST_VALIDATE, "force=true"), "validate")
+    assert type(err.value) is CheckpointError and "could not run" not in str(err.value)
+
+
+def test_a_crash_in_the_validation_process_could_not_run_and_shows_its_last_lines(project, tmp_path):
+    root = clone_variant(project, tmp_path)
+    (Paths(root, "gemma4_tiny", "512_fp32").weights / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PipelineError) as err:
+        run(config(root, *FAST_VALIDATE, "force=true"), "validate")
+    message = str(err.value)
+    assert type(err.value) is PipelineError and message.startswith("validation could not run: SafetensorError: ")
+    assert "its last lines:" in message and "Traceback (most recent call last):" in message
+
+
+@pytest.mark.parametrize("cls", [cls for cls in vars(errors).values()
+                                 if isinstance(cls, type) and issubclass(cls, PipelineError)])
+def test_every_pipeline_error_is_raised_again_as_itself(cls):
+    """What the validation process writes about an error (RESULT.json) gives the stage the same class and message."""
+    exc = cls(["a problem", "another"]) if cls is errors.ConfigError else cls("parity failed: 3 of 5 prompts")
+    again = errors.from_record(json.loads(json.dumps(errors.to_record(exc))))
+    assert type(again) is cls and str(again) == str(exc)
+    assert getattr(again, "problems", None) == getattr(exc, "problems", None)
+    assert errors.from_record(errors.to_record(ValueError("a bug"))) is None
 
 
 # -- bad input, refused before anything is loaded ---------------------------------------------------------------

@@ -79,9 +79,10 @@ the gemma4-neuron-pipeline. Every version is one variant (KV cache length, prefi
 built with one compiler from one set of inputs, tagged `<variant>-<compiler>-<inputs>`: the last part is a digest of
 everything that decides the files' bytes (checkpoint, recipe code, compiler and its arguments), so a rebuild from other
 inputs is a new version and a published version never changes. Each version folder holds the archive of its compiled
-files, its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain, source revision, and
-the `layout`) and its `metrics.json` (parity against the float reference, throughput). The files column says what
-each archive holds: one file per NeuronCore (`tp_0.pt`, `tp_1.pt`: layout `per_rank`, neuronx-distributed's
+files, its `manifest.json` (checksums of every file, compiler and its exact arguments, toolchain, source revision, the
+`layout`, and the validation summary under `validation`) and its `metrics.json` (the headline figures: parity against
+the float reference, decode tokens/s and time to first token per context length, peak memory). The files column says
+what each archive holds: one file per NeuronCore (`tp_0.pt`, `tp_1.pt`: layout `per_rank`, neuronx-distributed's
 `parallel_model_trace`), or one `model.pt` (layout `nxd_model`, the ModelBuilder executor with the prefill and
 decode graphs and every rank's weights).
 
@@ -90,8 +91,8 @@ decode graphs and every rank's weights).
 {HEADER}
 {rows}
 
-Throughput is measured on the hardware named in each `metrics.json`; cpu-backend rows come from the reference
-backend, not from Inferentia2.
+Throughput is measured on the hardware named in each `manifest.json` (`validation.hardware`); tok/s is decode speed
+at the slowest context length, and cpu-backend rows come from the reference backend, not from Inferentia2.
 
 ## Use a version
 

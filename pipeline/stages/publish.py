@@ -43,10 +43,12 @@ from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
 
 
-def validation_summary(metrics: dict, report: dict) -> dict:
-    return {"parity": {k: metrics["parity"][k] for k in ("mode", "passed", "prompts", "prompts_matched",
-                                                         "teacher_forced_match", "max_abs_dlogit")},
-            "throughput": metrics["throughput"], "contexts": metrics["contexts"], "gates": metrics["gates"],
+def validation_summary(report: dict) -> dict:
+    """The published manifest's ``validation``, from validation.json: what the regression gate compares with the
+    next version (pipeline/publishing/regression.py) and the model card shows."""
+    return {"parity": {k: report["parity"][k] for k in ("mode", "passed", "prompts", "prompts_matched",
+                                                        "teacher_forced_match", "max_abs_dlogit")},
+            "throughput": report["throughput"], "contexts": report["contexts"], "gates": report["gates"],
             "backend": report["backend"], "hardware": report["hardware"],
             "throughput_floor": report["throughput_gate"]["floor"]}
 
@@ -109,15 +111,18 @@ def require_same_model(manifest: dict, published: list[dict], repo_id: str) -> N
                            "published")
 
 
-def require_validated(manifest: dict, metrics: dict, report: dict, variant: str) -> None:
+def require_validated(manifest: dict, report: dict, variant: str) -> None:
     if report.get("archive_sha256") != manifest["archive"]["sha256"]:
         raise PublishError(f"{variant}: the validation on record is for another archive than dist/ holds: "
                            "run stage=validate")
-    gates = metrics.get("gates", {})
+    if "gates" not in report:
+        raise PublishError(f"{variant}: validation.json was written by an older pipeline (it has no gates): "
+                           "run stage=validate")
+    gates = report["gates"]
     if not gates.get("passed"):
         failed = [name for name in ("parity", "throughput") if not gates.get(name)]
         raise PublishError(f"{variant}: refusing to publish an artifact that did not pass validation "
-                           f"({', '.join(failed)} gate failed); see metrics.json and validation.json")
+                           f"({', '.join(failed)} gate failed); see validation.json")
 
 
 def published_manifest(manifest: dict, summary: dict, regression: dict | None, signed: bool) -> dict:
@@ -211,12 +216,12 @@ def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     manifest = package_stage.load(cfg)
     metrics, report = validate_stage.load(cfg), validate_stage.load_report(cfg)
-    require_validated(manifest, metrics, report, cfg.variant.name)
+    require_validated(manifest, report, cfg.variant.name)
     archive = paths.dist / manifest["archive"]["name"]
     sig = cfg.package.signing
     signing.check(paths.dist, archive.name, sig.verifying_key(), sig.allow_unsigned, f"the artifact in {paths.dist}")
     verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
-    summary = validation_summary(metrics, report)
+    summary = validation_summary(report)
     version = manifest["version"]
     require_valid_tag(version)
     pub = cfg.publish

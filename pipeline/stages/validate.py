@@ -7,10 +7,14 @@ safely, load the ranks through the backend's loader, decode the validation promp
 context lengths. Then the gates: parity must pass, and throughput must meet the floor configured for this backend
 and hardware. A failing gate fails the stage with a table of the numbers, after writing them.
 
+The worker logs one line per prompt and per context length as it goes; they show in this stage's output.
+
 Writes, under ``artifacts/<model>/<variant>/``:
-  ``metrics.json``     numbers for ``dvc metrics``: parity, throughput (NxDI's ``latency_ms_p50`` ... ``throughput``
-                       keys beside ``tokens_per_s``, ``ms_per_token``, ``ttft_ms``), per-context figures, gates
-  ``validation.json``  what was validated, how, per-prompt verdicts and the failure report
+  ``metrics.json``     the headline figures for ``dvc metrics show`` / ``diff`` (``headline``): parity verdict and
+                       mode, decode tokens/s and time to first token per context length, peak RSS
+  ``validation.json``  everything else: what was validated and how, the gates, parity and throughput in full
+                       (NxDI's ``latency_ms_p50`` ... ``throughput`` keys beside ``tokens_per_s``, ``ms_per_token``,
+                       ``ttft_ms``, overall and per context), costs, per-prompt verdicts and the failure report
 and ``artifacts/<model>/plots/<variant>.json``: one row per context length, for ``dvc plots``.
 """
 
@@ -23,14 +27,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import ConfigError, IntegrityError, ParityError, PipelineError, ThroughputError
+from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
-from pipeline.core.log import log
+from pipeline.core.log import log, relay, relay_env
 from pipeline.core.records import fingerprint, read_record, require_record
 from pipeline.core.shape import BuildShape
 from pipeline.host import preflight
@@ -39,6 +44,8 @@ from pipeline.stages import StageResult, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.validation.worker import select_prompts
+
+TAIL_LINES = 20  # of the worker's output, in the error when it could not run
 
 
 def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
@@ -68,21 +75,53 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict, ha
 
 def run_fresh(job: dict, host: preflight.Resources | None = None, need: preflight.Need | None = None,
               env: dict | None = None) -> dict:
-    """Run the validation job in a new interpreter; returns its metrics or raises what it raised."""
+    """Run the validation job in a new interpreter; returns its metrics or raises what it raised.
+
+    The worker's log lines are logged here as they come (relay): its progress shows in this stage's output and log
+    file. A PipelineError it reports is raised again as the same class; anything else (a bug, a crash) is "could not
+    run", with the last lines it wrote.
+    """
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
     with tempfile.TemporaryDirectory(prefix="gemma4-validate-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "pipeline.validation.worker", str(job_path), str(result_path)],
-                              env=None if env is None else {**os.environ, **env})
+        with subprocess.Popen([sys.executable, "-m", "pipeline.validation.worker", str(job_path), str(result_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                              env={**os.environ, **(env or {}), **relay_env()}) as proc:
+            try:
+                relay(proc.stdout, tail, "pipeline.validation.worker")
+            except BaseException:
+                proc.kill()  # interrupted here: the worker must not go on holding the artifact and the cores
+                raise
         if proc.returncode == -9:
             raise PipelineError(preflight.oom_message("the validation process", host, need))
-        if not result_path.exists():
-            raise PipelineError(f"the validation process exited with code {proc.returncode} without a result")
-        result = json.loads(result_path.read_text())
+        result = read_record(result_path)
+    if result is None:
+        raise PipelineError(f"validation could not run: the validation process exited with code {proc.returncode} "
+                            f"without a result; its last lines:\n" + "\n".join(tail))
     if not result["ok"]:
-        cls = IntegrityError if result.get("error_type") == "IntegrityError" else PipelineError
-        raise cls(f"validation could not run: {result['error']}")
+        raise from_record(result) or PipelineError(
+            f"validation could not run: {result['error_type']}: {result['error']}\nits last lines:\n" + "\n".join(tail))
     return result["metrics"]
+
+
+def headline(measured: dict) -> dict:
+    """metrics.json: the figures a person compares across builds, few enough for ``dvc metrics show`` to print one
+    short row per variant. Everything else the validation measured is in validation.json.
+
+    ``tokens_per_s.<context>``: decode speed at that context length, new tokens per second (1 / the mean decode
+    step latency; not NxDI's end-to-end ``throughput``, which is in validation.json). ``ttft_ms.<context>``: time to
+    the first new token (the prefill), median over the runs. ``peak_rss_mb``: the validation process's (``host``)
+    and the largest rank process's (``ranks``; null where the ranks run inside the host process) peak resident
+    memory.
+    """
+    by_length = sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])
+    return {
+        "parity": {"passed": measured["parity"]["passed"], "mode": measured["parity"]["mode"]},
+        "tokens_per_s": {name: c["tokens_per_s"] for name, c in by_length},
+        "ttft_ms": {name: c["ttft_ms"] for name, c in by_length},
+        "peak_rss_mb": measured["peak_rss_mb"],
+    }
 
 
 def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str, summary: dict) -> dict:
@@ -152,9 +191,9 @@ def run(cfg: PipelineConfig) -> StageResult:
     require_floor(cfg, manifest["backend"], hardware)
     reference, _ = reference_stage.load(cfg)
     fp = metrics_fingerprint(cfg, manifest, reference, hardware)
-    previous, metrics = read_record(paths.validation_report), read_record(paths.metrics)
-    if (not cfg.force and previous and metrics and previous.get("fingerprint") == fp
-            and metrics.get("gates", {}).get("passed")):
+    previous = read_record(paths.validation_report)
+    if (not cfg.force and previous and previous.get("fingerprint") == fp and paths.metrics.exists()
+            and previous.get("gates", {}).get("passed")):
         log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
         return StageResult("validate", "skipped")
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
@@ -196,19 +235,19 @@ def run(cfg: PipelineConfig) -> StageResult:
     gate = throughput_gate(cfg, manifest["backend"], hardware, shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())
-    atomic_write_json(paths.metrics, {  # figures only: what dvc metrics show / diff compare
-        "parity": measured["parity"],
-        "throughput": measured["throughput"],
-        "contexts": measured["contexts"],
-        "gates": gates,
-        "costs_s": measured["costs_s"],
-        "peak_rss_mb": measured["peak_rss_mb"],
-    })
-    atomic_write_json(paths.validation_report, {
+    atomic_write_json(paths.metrics, headline(measured))
+    atomic_write_json(paths.validation_report, {  # the record, written last: its fingerprint says all is written
         "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
         "backend": manifest["backend"], "hardware": hardware, "coverage": coverage, "signature": accepted,
         "preflight": {"need": need.record(), "host": host.record()},
-        "throughput_gate": gate, "prompts": measured["report"],
+        "gates": gates, "throughput_gate": gate,
+        "parity": measured["parity"],
+        # throughput: the summary. tokens_per_s is decode speed at the slowest context (1 / mean decode step);
+        # throughput is NxDI's end-to-end (prompt + new tokens) / (prefill + decode time): worker.measure_throughput
+        "throughput": measured["throughput"],
+        "contexts": measured["contexts"],  # every figure per context length (the same two rates, per context)
+        "costs_s": measured["costs_s"], "peak_rss_mb": measured["peak_rss_mb"],
+        "prompts": measured["report"],
     })
     atomic_write_json(paths.plot_rows, [
         {"context": name, **{k: c[k] for k in ("context_tokens", "tokens_per_s", "ms_per_token", "ttft_ms")}}
@@ -231,8 +270,10 @@ def run(cfg: PipelineConfig) -> StageResult:
 
 
 def load(cfg: PipelineConfig) -> dict:
+    """metrics.json (the headline figures)."""
     return require_record(Paths.of(cfg).metrics, "validate")
 
 
 def load_report(cfg: PipelineConfig) -> dict:
+    """validation.json: every figure, the gates, the per-prompt verdicts."""
     return require_record(Paths.of(cfg).validation_report, "validate")

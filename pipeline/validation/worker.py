@@ -4,14 +4,17 @@
 safely into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge
 them against the reference (``pipeline/validation/parity.py``), then measure throughput. Nothing is loaded before the
 archive and every member match the manifest. The result (metrics and a report a person can act on) is written to
-RESULT.json; the stage process applies the gates.
+RESULT.json; the stage process applies the gates. A failure is written there too (its error class and message), and
+the stage raises it again as the same class.
+
+Logs one line per prompt (its verdict) and per throughput context as each is done. Started by the stage, it writes
+its records to the stage (``PIPELINE_LOG_RELAY``, pipeline/core/log.py), which logs them as its own.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import logging
 import shutil
 import statistics
 import sys
@@ -24,9 +27,9 @@ import torch
 from pipeline.artifact.archive import extract_verified
 from pipeline.artifact.manifest import check as check_manifest
 from pipeline.backends import get_backend
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
 from pipeline.core.fsutil import atomic_write_json, sha256_file, temp_dir_beside
-from pipeline.core.log import log, progress
+from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 from pipeline.validation.generation import Generation, Generator
@@ -108,11 +111,22 @@ def measure_throughput(gen: Generator, shape: BuildShape, settings, filler: list
     """Time to first token and decode latency at each context length, warm-up runs excluded.
 
     Each run prefills a prompt of the context's length and decodes ``decode_tokens`` tokens, fed a fixed
-    continuation so that every run does the same work (a greedy run could stop early on an EOS).
+    continuation so that every run does the same work (a greedy run could stop early on an EOS). Logs one line per
+    context as it is done.
+
+    Two rates, not to be confused:
+
+    - ``tokens_per_s``: decode speed, new tokens per second while generating: 1 / the mean decode step latency.
+      Per context; the summary's is the slowest context's (what the throughput floor gates and the regression gate
+      compares). Prefill is not in it: that is ``ttft_ms``.
+    - ``throughput``: neuronx-distributed-inference's end-to-end figure over every timed run of every context:
+      (prompt tokens + generated tokens) / (prefill time + decode time). Prompt tokens count, so it grows with the
+      context length and is far above ``tokens_per_s``; comparable only between runs of the same settings.
     """
     contexts, pooled, e2e_tokens, e2e_s = {}, [], 0, 0.0
     steps = settings.decode_tokens + 1
-    for name, length in context_lengths(shape, settings).items():
+    lengths = context_lengths(shape, settings)
+    for n, (name, length) in enumerate(lengths.items(), 1):
         prompt = (filler * (length // len(filler) + 1))[:length]
         feed = (filler * (steps // len(filler) + 1))[:steps]
         for _ in range(settings.warmup_runs):
@@ -129,6 +143,8 @@ def measure_throughput(gen: Generator, shape: BuildShape, settings, filler: list
         contexts[name] = {"context_tokens": length, "ttft_ms": round(1e3 * statistics.median(ttft), 3),
                           "tokens_per_s": round(1 / avg, 3), "ms_per_token": round(1e3 * avg, 3),
                           **latency_report(decode)}
+        log.info("validate: throughput %d/%d, %s context (%d tokens): %.1f tokens/s, first token %.1f ms", n,
+                 len(lengths), name, length, contexts[name]["tokens_per_s"], contexts[name]["ttft_ms"])
     slowest = min(contexts.values(), key=lambda c: c["tokens_per_s"])
     first = contexts.get("short") or next(iter(contexts.values()))
     return {
@@ -200,6 +216,20 @@ def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, pa
     return entry
 
 
+def check_prompt(gen: Generator, reference: dict, i: int, tensors: dict, shape: BuildShape, mode: str, parity,
+                 explainer: Explainer, position: tuple[int, int]) -> dict:
+    """Decode reference prompt ``i`` and judge it; logs its verdict (``position``: (n, of)) as soon as it is known."""
+    prompt = reference["prompts"][i]
+    forced = None if mode == "exact" else prompt["output_ids"]
+    g = gen.generate(prompt["input_ids"], reference["max_new_tokens"], forced=forced)
+    noise = prompt.get("dtype_noise", {}).get(shape.dtype) if shape.dtype == "bf16" else None
+    entry = judge(prompt, g, logits_of(tensors, i), mode, parity, noise, explainer)
+    log.info("validate: prompt %d/%d %s (%d tokens): %s (%s), %d new tokens, first token %.1f ms", *position,
+             prompt["name"], entry["prompt_tokens"], "pass" if entry["passed"] else "FAIL", mode, entry["new_tokens"],
+             g.ttft_s * 1e3)
+    return entry | {"ttft_ms": round(g.ttft_s * 1e3, 3), "prefill_calls": g.prefill_calls}
+
+
 def _namespace(obj):
     if isinstance(obj, dict):
         return SimpleNamespace(**{k: _namespace(v) if k != "tol_map" else v for k, v in obj.items()})
@@ -221,7 +251,8 @@ def run_job(job: dict) -> dict:
     max_new = reference["max_new_tokens"]
     chosen = job["prompts"]
     if sha256_file(job["reference_tensors"]) != reference["logits_file"]["sha256"]:
-        raise ValueError(f"{job['reference_tensors']} does not match reference.json: run stage=reference force=true")
+        raise StaleInputError(f"{job['reference_tensors']} does not match reference.json: "
+                              "run stage=reference force=true")
     tensors = load_file(job["reference_tensors"])
     explainer = Explainer(job["weights"])
 
@@ -235,16 +266,15 @@ def run_job(job: dict) -> dict:
             host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
             with get_backend(manifest["backend"]).load(ranks, shape) as runner:
                 loaded = time.monotonic()
+                log.info("validate: archive verified and unpacked in %.1f s, ranks loaded in %.1f s",
+                         unpacked - started, loaded - unpacked)
                 gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
                 gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
                 first = reference["prompts"][chosen[0]]["input_ids"]
                 for _ in range(job["warmup_prompts"]):
                     gen.generate(first, max_new)  # first-call costs, never timed
-                results = []
-                for i in progress(chosen, desc="validate"):
-                    prompt = reference["prompts"][i]
-                    forced = None if mode == "exact" else prompt["output_ids"]
-                    results.append((i, gen.generate(prompt["input_ids"], max_new, forced=forced)))
+                report = [check_prompt(gen, reference, i, tensors, shape, mode, parity, explainer, (n, len(chosen)))
+                          for n, i in enumerate(chosen, 1)]
                 parity_done = time.monotonic()
                 filler = [t for p in reference["prompts"] for t in p["input_ids"]]
                 measured = measure_throughput(gen, shape, _namespace(job["throughput"]), filler)
@@ -252,12 +282,6 @@ def run_job(job: dict) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    report = []
-    for i, g in results:
-        prompt = reference["prompts"][i]
-        noise = prompt.get("dtype_noise", {}).get(shape.dtype) if shape.dtype == "bf16" else None
-        report.append(judge(prompt, g, logits_of(tensors, i), mode, parity, noise, explainer)
-                      | {"ttft_ms": round(g.ttft_s * 1e3, 3), "prefill_calls": g.prefill_calls})
     shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
     return {
         "parity": {"mode": mode, "passed": all(r["passed"] for r in report), "prompts": len(report),
@@ -275,10 +299,7 @@ def run_job(job: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pipeline.core.log import quiet_third_party
-
-    quiet_third_party()
+    setup()  # records go to the stage as JSON lines, which it logs as its own (pipeline/core/log.py, relay)
     # The stage that started this process holds its NeuronCores' lease: never outlive it (a killed stage's lease is
     # released by the kernel, and another run may then be given the cores this process still uses).
     die_with_parent()
@@ -289,9 +310,11 @@ def main(argv: list[str]) -> int:
         result = {"ok": True, "metrics": run_job(job)}
     except KeyboardInterrupt:  # the stage process was interrupted too, and says so
         return 130
-    except Exception as exc:  # noqa: BLE001 - the stage process reports it
+    except PipelineError as exc:  # the stage raises it again, as the same class (its message says what to fix)
+        result = {"ok": False, **to_record(exc)}
+    except Exception as exc:  # noqa: BLE001 - a bug: its traceback goes to the stage's log, the stage reports it
         log.exception("validation failed")
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+        result = {"ok": False, **to_record(exc)}
     atomic_write_json(result_path, result)
     return 0
 
