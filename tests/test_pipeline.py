@@ -50,7 +50,7 @@ def test_every_stage_ran_and_left_its_outputs(built):
     assert [m["path"] for m in manifest["members"]] == ["tp_0.pt", "tp_1.pt"]
     metrics = json.loads((vdir / "metrics.json").read_text())
     assert metrics["parity"] == {"passed": True, "mode": "exact"}
-    assert list(metrics["tokens_per_s"]) == list(metrics["ttft_ms"]) == ["short", "half", "near_max"]
+    assert set(metrics["tokens_per_s"]) == set(metrics["ttft_ms"]) == {"short", "half", "near_max"}
     assert all(v > 0 for v in [*metrics["tokens_per_s"].values(), *metrics["ttft_ms"].values()])
     receipt = json.loads((vdir / "publish.json").read_text())
     assert receipt["tag"] == manifest["version"] and len(receipt["commit"]) == 40
