@@ -161,7 +161,7 @@ def test_e4b_comes_out_at_the_seed_recipes_figures_on_neuron():
 
 def test_a_checkpoint_is_judged_by_its_own_size(tmp_path):
     # bench/validation_cost.py --checkpoint with a 6-layer E4B-shaped checkpoint was refused on this machine by the
-    # 28 GiB E4B's conf declared. Its needs now come from its own config.json, through the trace stage's own code.
+    # 28 GiB that E4B's conf declared. Its needs now come from its own config.json, through the trace stage's code.
     def trace_need_of(checkpoint):
         cfg = config(tmp_path / "artifacts", "model=gemma4_e4b", f"model.path={checkpoint}", variant="512_bf16")
         return trace_stage.preflight_need(cfg, "cpu", trace_stage.estimate(cfg, "cpu", load_spec(checkpoint)))
