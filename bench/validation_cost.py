@@ -30,7 +30,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pipeline(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:  # e.g. the preflight's refusal: its numbers and its fix are in the log
+        sys.exit(f"python -m pipeline {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
+
+
+def preflight_line(build_json: Path) -> str:
+    """The trace's estimate beside what it measured (build.json), the figures the preflight's factors come from."""
+    record = json.loads(build_json.read_text())["preflight"]
+    weights, need = record["estimate"]["weights_bytes"], record["need"]["memory_gib"]
+    return (f"trace: {weights['tp_degree']} ranks of {weights['rank'] / 2**30:.2f} GiB of weights; preflight "
+            f"estimate {need:.1f} GiB, measured peak {record['measured']['graph_peak_rss_bytes'] / 2**30:.2f} GiB "
+            f"per rank + {record['measured']['stage_peak_rss_bytes'] / 2**30:.2f} GiB for the stage")
 
 
 def measure(artifacts: Path, model: str, variant: str, weights: Path, text_prefix: str, tokens: int) -> dict:
@@ -101,6 +112,7 @@ def main() -> None:
         for stage in ("trace", "package"):
             pipeline(f"+variant={args.variant}", f"stage={stage}", *common)
         print(f"built {args.variant} in {time.monotonic() - started:.0f} s")
+        print(preflight_line(artifacts / model / args.variant / "build.json"))
         weights = artifacts / model / "weights"
         # The validation decode budget: every default prompt that fits, 32 new tokens each.
         tokens = args.tokens or 32 * {"256": 4, "512": 5, "2048": 6}[args.variant.split("_")[0]]

@@ -98,23 +98,28 @@ class PublishTarget(StrEnum):
 
 @dataclass
 class ResourceNeed:
-    """What building and loading one variant of a model needs on one backend, in GiB (estimates; build.json
-    records each trace's measured peaks, so they can be tuned)."""
+    """What building and loading one variant of a model needs on one backend, in GiB.
 
-    trace_base_gb: float = 0.0
+    In ``model.resources.<backend>`` every key is an override: unset (null), the preflight derives it from the
+    checkpoint's own spec (its weights' bytes per rank, times factors measured per backend, pipeline/host/preflight.py);
+    set, it wins. Set one only for what the derivation cannot know, such as a compiler release's own peak.
+    build.json records the derived figures beside each trace's measured peaks."""
+
+    trace_base_gb: float | None = None
     """The tracing process itself: reading the weights and building the graphs."""
-    trace_per_graph_gb: float = 0.0
+    trace_per_graph_gb: float | None = None
     """Each graph compiled at the same time (a rank for host prefill; prefill and decode for device prefill)."""
-    validate_gb: float = 0.0
+    validate_gb: float | None = None
     """Loading a build and decoding with it."""
-    host_prefill_gb: float = 0.0
+    host_prefill_gb: float | None = None
     """The host's float model that prefills host-prefill variants (validate only)."""
-    disk_gb: float = 0.0
+    disk_gb: float | None = None
     """Written per variant: compiler work files, the rank files and the archive."""
 
     def problems(self, key: str) -> list[str]:
         """Negative needs, each named under ``key``, where this sits (``model.resources.neuron``)."""
-        return [f"{key}.{name}={value} must not be negative" for name, value in vars(self).items() if value < 0]
+        return [f"{key}.{name}={value} must not be negative" for name, value in vars(self).items()
+                if value is not None and value < 0]
 
 
 @dataclass
@@ -133,7 +138,7 @@ class ModelConfig:
     allow_patterns: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     resources: dict[Backend, ResourceNeed] = field(default_factory=dict)
-    """``resources.<backend>``: what the preflight checks the host against before trace and validate."""
+    """``resources.<backend>.<key>``: overrides of what the preflight derives from the checkpoint (ResourceNeed)."""
 
     def __post_init__(self) -> None:
         # OmegaConf checks the nested keys but hands back plain dicts inside a dict-typed field.

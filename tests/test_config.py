@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from pipeline.config import available_variants
 from pipeline.core.errors import ConfigError
+from pipeline.models.tiny_model import TinyModelConfig
 from pipeline.run import load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -44,6 +45,13 @@ def test_every_conf_file_composes_and_validates(group, option, tmp_path):
 def test_the_default_config_has_no_variant():
     cfg = load_config(composed([]))
     assert cfg.variant is None and cfg.model.name == "gemma4_tiny" and cfg.stage == "all"
+
+
+def test_the_pipeline_builds_the_tiny_model_the_tests_build():
+    # tests/conftest.py generates TinyModelConfig(); the model stage generates the composed model.tiny. One source:
+    # conf/model/gemma4_tiny.yaml adds nothing to the dataclass's defaults, and an override reshapes the same model.
+    assert load_config(composed([])).model.tiny == TinyModelConfig()
+    assert load_config(composed(["+model.tiny.seed=7"])).model.tiny == TinyModelConfig(seed=7)
 
 
 def test_params_yaml_lists_only_existing_variants():

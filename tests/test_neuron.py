@@ -242,7 +242,7 @@ def _child(tmp_path: Path, body: str) -> tuple[list[str], Path]:
 @pytest.mark.parametrize(("body", "match"), [
     ("os.kill(os.getpid(), signal.SIGKILL)",
      r"killed by SIGKILL \(exit -9\): most likely the out-of-memory killer.*available RAM 100.0 GiB, free swap 8.0 "
-     r"GiB; the model's declared need was 180.0 GiB"),
+     r"GiB; the preflight's estimate was 180.0 GiB"),
     ("json.dump({'ok': False, 'error': 'RuntimeError: Compile command returned: -9'}, open(result, 'w'))",
      r"(?s)out-of-memory killer.*The compiler said: RuntimeError: Compile command returned: -9"),
     ("json.dump({'ok': False, 'error': 'ProcessExitedException: process 1 terminated with signal SIGKILL'}, "

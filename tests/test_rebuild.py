@@ -4,6 +4,7 @@ multirun on the joblib launcher sharing one artifacts directory."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pipeline.core.shape import BuildShape
 from pipeline.publishing import regression
 
 from .helpers import FAST_VALIDATE, config, run
+from .test_spec_and_plan import E4B_CONFIG
 
 GIB = 1 << 30
 E4B_NEURON = ResourceNeed(trace_base_gb=20, trace_per_graph_gb=80, validate_gb=15, host_prefill_gb=17, disk_gb=120)
@@ -227,13 +229,23 @@ def test_a_task_too_big_for_the_host_runs_alone_and_a_failure_stops_only_its_var
 
 
 def test_the_schedule_command_reports_needs_and_budget(tmp_path):
+    # The needs are derived from the checkpoint's config.json (here E4B's, alone): the seed's figures for E4B, and
+    # its fp32 float model for host prefill (pipeline/host/preflight.py).
+    checkpoint = tmp_path / "e4b"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(E4B_CONFIG))
     out = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--dry-run", "--memory-gib", "189",
                           "--variants", "2048_bf16,2048_bf16_host", "model=gemma4_e4b", "backend=neuron",
-                          f"artifacts_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True)
+                          f"model.path={checkpoint}", f"artifacts_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
     assert "budget 189.0 GiB of RAM + swap" in out.stderr
     assert "2048_bf16 needs build 180.0 GiB, validate 15.0 GiB" in out.stderr
-    assert "2048_bf16_host needs build 180.0 GiB, validate 32.0 GiB" in out.stderr
+    assert "2048_bf16_host needs build 180.0 GiB, validate 36.6 GiB" in out.stderr
+    offline = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--dry-run", "--variants", "2048_bf16",
+                              "model=gemma4_e4b", "backend=neuron", f"artifacts_dir={tmp_path}"], cwd=REPO,
+                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 1 and "run stage=model first, or give model.path=DIR" in offline.stderr
     bad = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--variants", "9999_bf16"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "--variants ['9999_bf16'] are not in conf/variant/" in bad.stderr

@@ -4,9 +4,9 @@ allows.
 Each variant is three tasks, run in order: **build** (trace, package), **validate**, **publish**. A task starts when
 its variant's previous task has finished and the host has room for it:
 
-- memory: its declared need (``model.resources.<backend>``: the trace need for build, the validate need for
-  validate, as the preflight computes them) fits in what running tasks leave of the budget (usable RAM + swap,
-  measured as the preflight does, or ``--memory-gib``);
+- memory: its need (the trace need for build, the validate need for validate, as the preflight derives them from the
+  checkpoint, with ``model.resources.<backend>`` overrides) fits in what running tasks leave of the budget (usable
+  RAM + swap, measured as the preflight does, or ``--memory-gib``);
 - cores: at most ``--jobs`` tasks at once (default: one per CPU core);
 - NeuronCores: a neuron build or validate holds ``tp_degree`` of them (the host's free ones, from ``neuron-ls``;
   each task's process then leases its own, pipeline/backends/neuron_cores.py);
@@ -27,6 +27,9 @@ share ``artifacts_dir`` with other runs. Prints a table of what ran; exits 1 if 
     python -m pipeline schedule backend=cpu                      # every variant in conf/variant/
     python -m pipeline schedule --variants 512_bf16,2048_bf16 model=gemma4_e4b hardware=inf2_8xlarge
     python -m pipeline schedule --dry-run model=gemma4_e4b       # the needs and the budget, nothing run
+
+A dry run reads the checkpoint's config.json where it is (the model stage's copy, ``model.path``, the tiny model's
+settings, else the pinned revision's from the Hub) and runs nothing.
 """
 
 from __future__ import annotations
@@ -85,6 +88,32 @@ def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: in
     return [Task(variant, "build", stages["build"], build.memory, build.neuron_cores, exclusive=port),
             Task(variant, "validate", stages["validate"], check.memory, check.neuron_cores, alone=quiet_validate),
             Task(variant, "publish", stages["publish"], 0, 0, exclusive="publish")]
+
+
+def checkpoint_spec(cfg):
+    """The spec of the checkpoint ``cfg`` builds, which the needs are derived from: the model stage's copy when it has
+    run, else ``model.path``'s or the tiny model's config, else the pinned Hub revision's config.json alone."""
+    from pipeline.core.errors import PipelineError
+    from pipeline.paths import Paths
+    from pipeline.recipe.spec import load_spec, spec_from_config
+
+    m = cfg.model
+    weights = Paths.of(cfg).weights
+    if (weights / "config.json").is_file():
+        return load_spec(weights)
+    if m.path is not None:
+        return load_spec(Path(m.path))
+    if m.source == "tiny":
+        from pipeline.models.tiny_model import hf_text_config
+
+        return spec_from_config(hf_text_config(m.tiny))
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return load_spec(Path(hf_hub_download(m.hub_id, "config.json", revision=m.revision)).parent)
+    except OSError as exc:  # offline, or the Hub refused: every huggingface_hub error is an OSError
+        raise PipelineError(f"schedule: the needs are derived from {m.hub_id}'s config.json, which could not be "
+                            f"fetched ({exc}): run stage=model first, or give model.path=DIR") from exc
 
 
 def fits(task: Task, running: list[Task], budget: Budget) -> bool:
@@ -223,6 +252,7 @@ def main(argv: list[str]) -> int:
     from pipeline.backends import resolve
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError
+    from pipeline.host import preflight
     from pipeline.run import CONF_DIR, run_pipeline
     from pipeline.stages import SHARED
 
@@ -251,19 +281,22 @@ def main(argv: list[str]) -> int:
         first = configs[variants[0]]
         backend = resolve(first.backend.name)
         quiet = backend == "neuron" if args.quiet_validate is None else args.quiet_validate
-        plans = [variant_tasks(v, backend, c.variant.shape, c.model.resources.get(backend), c.backend.max_parallel,
-                               quiet) for v, c in configs.items()]
         budget = measure_budget(backend, args.jobs, args.memory_gib)
         log.info("schedule: %d variants on %s; budget %s", len(variants), backend, budget.describe())
+        if not args.dry_run:
+            shared = compose(None, list(args.overrides))
+            for stage in SHARED:
+                shared.stage = stage
+                run_pipeline(shared)
+        spec = checkpoint_spec(first)  # every variant builds the same checkpoint (the overrides are shared)
+        plans = [variant_tasks(v, backend, c.variant.shape, preflight.estimate(
+            spec, c.variant.shape, backend, c.model.resources.get(backend)).resources, c.backend.max_parallel, quiet)
+                 for v, c in configs.items()]
         for plan in plans:
             log.info("schedule: %s needs %s", plan[0].variant,
                      ", ".join(f"{t.name} {t.memory / GIB:.1f} GiB" for t in plan))
         if args.dry_run:
             return 0
-        shared = compose(None, list(args.overrides))
-        for stage in SHARED:
-            shared.stage = stage
-            run_pipeline(shared)
         runner = ForkRunner(configs, first.root / "logs" / "schedule")
         scheduler = Scheduler(budget, runner)
         try:

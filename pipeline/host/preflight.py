@@ -1,9 +1,11 @@
 """Preflight: does this host have the memory, swap, disk and NeuronCores a stage needs? Checked before the work.
 
 ``measure()`` reads the host (``/proc/meminfo``, the cgroup's memory limits along its hierarchy, free disk at each
-path that will be written, ``neuron-ls --json-output``); ``decide()`` compares those figures with what the model
-declares it needs (``model.resources.<backend>``) and returns every shortfall with the exact numbers and the commands
-that fix it. Both are plain functions of their inputs, so every decision is tested with injected figures.
+path that will be written, ``neuron-ls --json-output``); ``estimate()`` derives what a variant needs from its
+checkpoint's own spec: the bytes of one rank's weights at the variant's dtype (and of the host's float model), times
+factors measured per backend (``FACTORS``), with ``model.resources.<backend>.<key>`` overriding any figure;
+``decide()`` compares the two and returns every shortfall with the exact numbers and the commands that fix it. All
+are plain functions of their inputs, so every decision is tested with injected figures.
 
 Memory counts RAM and swap together (a compile that spills to swap is slow but finishes; one killed by the
 out-of-memory killer is lost), bounded by the cgroup limit when the process runs in a container. Swap is created only
@@ -17,16 +19,18 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.config import ResourceNeed
 from pipeline.core.errors import PreflightError
 from pipeline.core.units import GIB, parse_size
 
 if TYPE_CHECKING:
-    from pipeline.config import PreflightConfig, ResourceNeed
+    from pipeline.config import PreflightConfig
     from pipeline.core.shape import BuildShape
+    from pipeline.recipe.spec import ModelSpec
 
 SWAP_MARGIN_GIB = 4  # suggested swap beyond the exact shortfall: page cache and the OS need room too
 
@@ -281,18 +285,161 @@ def make_swap(size: int, swap_file: str, runner=subprocess.run, is_root: bool | 
                                  f"({swap_file} may need removing)")
 
 
-def trace_need(resources: ResourceNeed | None, backend: str, shape: BuildShape, max_parallel: int,
-               disk_paths: list[Path]) -> Need:
-    """What tracing one variant needs: the tracing process plus every graph compiled at the same time.
+# -- what a variant needs, from its checkpoint --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The weights a variant's processes hold, in bytes: what its memory and disk needs grow with."""
+
+    rank: int
+    """One rank's tensors at the variant's dtype (``ShardPlan.rank_bytes``): what a rank's trace or load holds."""
+    tp_degree: int
+    host_float: int
+    """The host's float model of host prefill: the whole decoder as one fp32 rank (pipeline/recipe/host.py)."""
+
+    @property
+    def ranks(self) -> int:
+        return self.rank * self.tp_degree
+
+
+def weight_bytes(spec: ModelSpec, shape: BuildShape) -> WeightBytes:
+    import torch
+
+    from pipeline.recipe.plan import ShardPlan
+
+    return WeightBytes(ShardPlan(spec, shape.tp_degree).rank_bytes(shape.torch_dtype), shape.tp_degree,
+                       ShardPlan(spec, 1).rank_bytes(torch.float32))
+
+
+@dataclass(frozen=True)
+class Factors:
+    """How one backend's needs grow with the weights: GiB any model costs, plus multiples of the weights' bytes."""
+
+    trace_fixed_gb: float
+    """The stage process (and on neuron the compile driver), whatever the model."""
+    trace_base_per_byte: float
+    """... plus this many bytes per byte of all ranks' weights."""
+    graph_fixed_gb: float
+    """Each graph compiled at once: its process's interpreter and imports."""
+    graph_per_byte: float
+    """... plus this many bytes per byte of one rank's weights."""
+    validate_fixed_gb: float
+    """The stage and validation processes, whatever the model."""
+    load_rank_gb: float
+    """Each rank loaded for validation, whatever the model (a process of its own on cpu; threads on neuron)."""
+    validate_per_byte: float
+    """... plus this many bytes per byte of all ranks' weights."""
+    host_prefill_per_byte: float
+    """The host's float model of a host-prefill variant, per byte of its fp32 weights."""
+    disk_fixed_gb: float
+    disk_per_byte: float
+    """Written per variant, per byte of all ranks' weights: the rank files, the archive (and compiler work files)."""
+
+
+# The seed recipe's figures for google/gemma-4-E4B-it at tp_degree 2 are scaled by E4B's own weights, so that E4B's
+# needs come out as the seed measured them and any other checkpoint's in proportion to its size: ShardPlan.rank_bytes
+# of E4B's config.json at bf16 and tp_degree 2 (one rank; two make all ranks').
+E4B_BF16_RANK_GB = 4_728_697_000 / GIB
+E4B_BF16_RANKS_GB = 2 * E4B_BF16_RANK_GB
+
+# cpu: measured here (cpu backend, torch 2.13, 2 cores, tp_degree 2), on the tiny model (weights ~1 MiB: the fixed
+# parts) and on a 6-layer checkpoint at E4B's widths (bench/rank_weights_rss.py; bf16 ranks of 1.18 GiB, a 4.66 GiB
+# float model), from the figures build.json and validation.json record. Each factor is the measurement rounded up.
+CPU = Factors(
+    trace_fixed_gb=0.5,  # the trace stage's process: 0.30 GiB for either model
+    trace_base_per_byte=0.0,  # it reads the spec only; the ranks read their own weights
+    graph_fixed_gb=0.4,  # a rank's trace process: 0.37 GiB with the tiny model's weights
+    graph_per_byte=4.2,  # 5.19 GiB for 512_bf16 (5.08 for 256_bf16_host): (5.19 - 0.37) / 1.18 = 4.1 (state dict,
+    # the module's parameters, TorchScript's copies and the serialised file)
+    validate_fixed_gb=0.7,  # the validate stage's process (0.32 GiB) and the validation process (0.31-0.33 GiB)
+    load_rank_gb=0.3,  # a rank's load process: 0.27-0.30 GiB with the tiny model
+    validate_per_byte=1.25,  # ranks 1.52 GiB each ((1.52 - 0.30) / 1.18 = 1.03 per rank byte) and the validation
+    # process 0.31 GiB more than with the tiny model (0.13 per byte of both ranks): 1.17
+    host_prefill_per_byte=1.25,  # the validation process of 256_bf16_host: 5.67 GiB above 512_bf16's for a 4.66 GiB
+    # fp32 float model: 1.22
+    disk_fixed_gb=0.1,  # records and logs
+    disk_per_byte=3.0,  # rank files 1.00x and the tar archive 1.00x of both ranks' bytes; validation unpacks a third
+)
+
+# neuron: the seed's E4B figures (/work/shared/reference/neuron-and-prior-art.md, "the seed recipe": E4B at
+# tp_degree 2 on inf2), over E4B's bf16 bytes. An fp32 variant has twice the bytes and is judged twice as big, which
+# errs on the side of refusing. The fixed parts are the cpu backend's processes (the Neuron packages' own imports were
+# not measured); the host's float model is the same code on the host as on cpu.
+NEURON = Factors(
+    trace_fixed_gb=CPU.trace_fixed_gb,
+    # Both ranks compiling at once peaked past 128 GiB of RAM and needed a 55 GiB swap file: ~180 GiB, split as E4B's
+    # conf declared it, 20 GiB for the compile driver and 80 GiB per rank compiled at once (100 GiB one at a time).
+    trace_base_per_byte=(20 - CPU.trace_fixed_gb) / E4B_BF16_RANKS_GB,
+    graph_fixed_gb=CPU.graph_fixed_gb,
+    graph_per_byte=(80 - CPU.graph_fixed_gb) / E4B_BF16_RANK_GB,
+    # Loading a build on an inf2.xlarge peaks at ~14.5 GB (so 16 GiB RAM + a 16 GiB swap file): 15 GiB. The ranks
+    # are threads of the validation process: no process per rank.
+    validate_fixed_gb=CPU.validate_fixed_gb,
+    load_rank_gb=0.0,
+    validate_per_byte=(15 - CPU.validate_fixed_gb) / E4B_BF16_RANKS_GB,
+    host_prefill_per_byte=CPU.host_prefill_per_byte,
+    # 120 GiB for E4B as its conf declared it (compiler work files, rank files, archive; not measured by the seed).
+    disk_fixed_gb=CPU.disk_fixed_gb,
+    disk_per_byte=(120 - CPU.disk_fixed_gb) / E4B_BF16_RANKS_GB,
+)
+FACTORS = {"cpu": CPU, "neuron": NEURON}
+
+
+def derive(weights: WeightBytes, backend: str) -> ResourceNeed:
+    """Every figure of ``ResourceNeed`` from the weights' bytes and the backend's factors."""
+    f = FACTORS[backend]
+    rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_float / GIB
+    return ResourceNeed(
+        trace_base_gb=f.trace_fixed_gb + f.trace_base_per_byte * ranks,
+        trace_per_graph_gb=f.graph_fixed_gb + f.graph_per_byte * rank,
+        validate_gb=f.validate_fixed_gb + weights.tp_degree * f.load_rank_gb + f.validate_per_byte * ranks,
+        host_prefill_gb=f.host_prefill_per_byte * host,
+        disk_gb=f.disk_fixed_gb + f.disk_per_byte * ranks,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a variant needs on one backend: derived from its weights, with the configured overrides applied."""
+
+    resources: ResourceNeed
+    weights: WeightBytes
+    overridden: tuple[str, ...]  # the ResourceNeed keys model.resources.<backend> set
+    backend: str
+
+    def describe(self) -> str:
+        """The basis of the figures, for the preflight's messages."""
+        text = f"{self.weights.tp_degree} rank(s) of {self.weights.rank / GIB:.2f} GiB of weights"
+        return text + "".join(f"; model.resources.{self.backend}.{key} is set" for key in self.overridden)
+
+    def record(self) -> dict:
+        """For build.json: with each trace's measured peaks, what the factors can be derived again from."""
+        return {"weights_bytes": asdict(self.weights),
+                "resources_gb": {k: round(v, 3) for k, v in asdict(self.resources).items()},
+                "overridden": list(self.overridden)}
+
+
+def estimate(spec: ModelSpec, shape: BuildShape, backend: str, overrides: ResourceNeed | None) -> Estimate:
+    """What ``shape`` of the checkpoint ``spec`` describes needs on ``backend``: derived, then every key the conf sets
+    (``model.resources.<backend>.<key>``, not null) taking its place."""
+    weights = weight_bytes(spec, shape)
+    given = {f.name: getattr(overrides, f.name) for f in fields(ResourceNeed)} if overrides else {}
+    chosen = {k: v for k, v in given.items() if v is not None}
+    return Estimate(replace(derive(weights, backend), **chosen), weights, tuple(chosen), backend)
+
+
+def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_parallel: int,
+               disk_paths: list[Path], basis: str = "") -> Need:
+    """What tracing one variant needs: the tracing process plus every graph compiled at the same time (``basis``:
+    where the figures come from, quoted in refusals).
 
     cpu: every rank traces at once. neuron, host prefill: ``parallel_model_trace`` compiles ``max_parallel`` ranks at
     once (all when 0). neuron, device prefill: ModelBuilder compiles one SPMD graph per entry point (prefill, decode),
     concurrently, whatever ``max_parallel`` says.
     """
     cores = shape.tp_degree if backend == "neuron" else 0
-    what = f"tracing {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}"
-    if resources is None:
-        return Need(0, {}, cores, what)
+    what = f"tracing {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}" + (
+        f" ({basis})" if basis else "")
     if backend == "neuron" and shape.prefill == "device":
         graphs, hint = len(shape.entries), ""
     elif backend == "neuron":
@@ -305,12 +452,11 @@ def trace_need(resources: ResourceNeed | None, backend: str, shape: BuildShape, 
     return Need(int(memory * GIB), {str(p): int(resources.disk_gb * GIB) for p in disk_paths}, cores, what, hint)
 
 
-def validate_need(resources: ResourceNeed | None, backend: str, shape: BuildShape) -> Need:
+def validate_need(resources: ResourceNeed, backend: str, shape: BuildShape, basis: str = "") -> Need:
     """What loading a build and decoding with it needs (plus the host's float model for host prefill)."""
     cores = shape.tp_degree if backend == "neuron" else 0
-    what = f"validating {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}"
-    if resources is None:
-        return Need(0, {}, cores, what)
+    what = f"validating {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}" + (
+        f" ({basis})" if basis else "")
     memory = resources.validate_gb + (resources.host_prefill_gb if shape.prefill == "host" else 0.0)
     return Need(int(memory * GIB), {}, cores, what)
 
@@ -337,8 +483,8 @@ def check(need: Need, settings: PreflightConfig) -> Resources:
 def oom_message(what: str, res: Resources | None, need: Need | None = None) -> str:
     """The report for a process killed with SIGKILL: almost always the kernel's out-of-memory killer."""
     figures = res.summary() if res else "memory figures unavailable"
-    needed = f"; the model's declared need was {need.memory / GIB:.1f} GiB" if need and need.memory else ""
+    needed = f"; the preflight's estimate was {need.memory / GIB:.1f} GiB" if need and need.memory else ""
     return (f"{what} was killed by SIGKILL (exit -9): most likely the out-of-memory killer (see `dmesg | grep -i "
             f"oom`). At the preflight: {figures}{needed}. Add swap (preflight.make_swap=SIZE), compile fewer ranks "
-            "at once (backend.max_parallel=1), or use a host with more memory; then raise model.resources so the "
-            "preflight catches it next time")
+            "at once (backend.max_parallel=1), or use a host with more memory; then set the figure the estimate got "
+            "wrong (model.resources.<backend>.<key>, GiB) so the preflight catches it next time")

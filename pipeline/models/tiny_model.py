@@ -34,7 +34,8 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class TinyModelConfig:
-    """Architecture of the generated model. Defaults are the embedded model; tests may shrink or reshape it."""
+    """Architecture of the generated model. Its defaults are the embedded model, written only here: the pipeline (the
+    model conf adds nothing) and the tests build the same one; tests may shrink or reshape it."""
 
     seed: int = 20261130
     vocab_size: int = 512
@@ -57,7 +58,9 @@ class TinyModelConfig:
     # decided by clear margins (bf16 parity would mean nothing on near-ties), small enough not to saturate the cap.
     weight_gain: float = 0.5
     embedding_std: float = 2.0
-    layer_scalar_range: tuple[float, float] = (0.4, 0.9)
+    # (low, high) of the layer_scalar buffers; a list, as the config schema hands it back, so that the composed
+    # config's model.tiny equals TinyModelConfig().
+    layer_scalar_range: list[float] = field(default_factory=lambda: [0.4, 0.9])
     # The final norm's scale sets the spread of the logits (the head is tied to the input embedding, whose scale
     # must stay comparable to the layers' outputs or the model would ignore its context).
     final_norm_scale: float = 2.5

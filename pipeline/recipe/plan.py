@@ -9,6 +9,7 @@ replicated. The token and per-layer embedding tables stay on the host.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,12 @@ class ShardPlan:
         if dim is not None:
             shape[dim] //= self.tp_degree
         return tuple(shape)
+
+    def rank_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the tensors one rank holds at ``dtype`` (the small fp32 tensors at fp32): what the preflight's
+        memory and disk needs scale with."""
+        return sum(math.prod(self.rank_shape(name)) * tensor_dtype(name, dtype).itemsize
+                   for name in self.rank_tensor_names())
 
     def rank_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of rank ``rank``'s part of ``name``, or None when replicated."""

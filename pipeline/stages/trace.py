@@ -1,13 +1,15 @@
 """Stage 4, trace: check the host (preflight), then shard the weights per rank and trace/compile one variant.
 
 The preflight (pipeline/host/preflight.py) compares RAM + swap (cgroup-aware), free disk and free NeuronCores with what
-``model.resources.<backend>`` says this variant needs, and refuses a shortfall with the numbers and the fix before
-anything is written.
+this variant needs, derived from the checkpoint's own spec (its weights' bytes per rank, times factors measured per
+backend; ``model.resources.<backend>.<key>`` overrides a figure), and refuses a shortfall with the numbers and the fix
+before anything is written.
 
 Writes ``artifacts/<model>/<variant>/build/`` holding exactly the backend's files (``tp_0.pt``, ``tp_1.pt``; or, for
 the neuron backend's device prefill, ModelBuilder's single ``model.pt``; neuronx-distributed's loader loads every
 file there) and ``build.json``: the fingerprint, the variant, the backend, the compiler and its exact arguments, the
-toolchain, the preflight's figures, times and peak RSS, and each file's sha256.
+toolchain, the preflight's figures (the estimate, the weights' bytes it scaled, and the measured peak RSS of the stage
+and of each graph, so the factors can be derived again), times, and each file's sha256.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pipeline.core.log import log
 from pipeline.core.records import code_digest, fingerprint, read_record, require_record
 from pipeline.core.units import GIB
 from pipeline.host import preflight
+from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
+from pipeline.recipe.spec import ModelSpec, load_spec
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
@@ -77,15 +81,20 @@ def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceReq
     )
 
 
-def preflight_need(cfg: PipelineConfig, backend: str) -> preflight.Need:
+def estimate(cfg: PipelineConfig, backend: str, spec: ModelSpec) -> preflight.Estimate:
+    """What this variant of the checkpoint ``spec`` describes needs, with the conf's overrides."""
+    return preflight.estimate(spec, cfg.variant.shape, backend, cfg.model.resources.get(backend))
+
+
+def preflight_need(cfg: PipelineConfig, backend: str, est: preflight.Estimate) -> preflight.Need:
     paths = Paths.of(cfg)
     disk_paths = [paths.variant_dir]
     if backend == "neuron" and compiler_workdir(cfg) is not None:
         disk_paths.append(compiler_workdir(cfg))
     if Path(".dvc/cache").is_dir():  # dvc repro copies (or links) every output into its cache
         disk_paths.append(Path(".dvc/cache").resolve())
-    return preflight.trace_need(cfg.model.resources.get(backend), backend, cfg.variant.shape,
-                                cfg.backend.max_parallel, disk_paths)
+    return preflight.trace_need(est.resources, backend, cfg.variant.shape, cfg.backend.max_parallel, disk_paths,
+                                est.describe())
 
 
 def compiler_env() -> dict:
@@ -162,7 +171,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     req = request(cfg, backend)
     impl.check(req)  # e.g. the neuron backend's packages: said before anything else
     compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
-    need = preflight_need(cfg, backend)
+    est = estimate(cfg, backend, load_spec(paths.weights))
+    need = preflight_need(cfg, backend, est)
     host = preflight.check(need, cfg.preflight)
     log.info("trace: preflight passed: needs %.1f GiB of RAM + swap, %d NeuronCores; host offers %s", need.memory / GIB,
              need.neuron_cores, host.summary())
@@ -180,7 +190,10 @@ def run(cfg: PipelineConfig) -> StageResult:
         "compiler": {"id": compiler_id, "args": list(req.compiler_args),
                      "versions": compiler_versions(toolchain)},
         "toolchain": toolchain,
-        "preflight": {"need": need.record(), "host": host.record()},
+        "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record(),
+                      "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
+                                   "graph_peak_rss_bytes": traced["peak_rss_bytes"],
+                                   "written_bytes": sum(m["size"] for m in traced["members"])}},
         "trace": traced,
         "members": traced["members"],
         "model": {"name": cfg.model.name, "hub_id": model_record["hub_id"], "revision": model_record["revision"],

@@ -1,9 +1,9 @@
 """Stage 6, validate: parity against the float reference and throughput, of the packaged artifact; then the gates.
 
 The prompts are chosen (and refused when they cannot serve the variant), and the host checked for the memory and
-NeuronCores loading the build needs (the preflight), before anything is loaded. The work runs in
-a fresh interpreter (``pipeline.validation.worker``): verify the archive and its members against the manifest, unpack
-safely, load the ranks through the backend's loader, decode the validation prompts and judge them, and time three
+NeuronCores loading the build needs (the preflight, from the checkpoint's weights), before anything is loaded. The work
+runs in a fresh interpreter (``pipeline.validation.worker``): verify the archive and its members against the manifest,
+unpack safely, load the ranks through the backend's loader, decode the validation prompts and judge them, and time three
 context lengths. Then the gates: parity must pass, and throughput must meet the floor configured for this backend
 and hardware. A failing gate fails the stage with a table of the numbers, after writing them.
 
@@ -14,7 +14,8 @@ Writes, under ``artifacts/<model>/<variant>/``:
                        mode, decode tokens/s and time to first token per context length, peak RSS
   ``validation.json``  everything else: what was validated and how, the gates, parity and throughput in full
                        (NxDI's ``latency_ms_p50`` ... ``throughput`` keys beside ``tokens_per_s``, ``ms_per_token``,
-                       ``ttft_ms``, overall and per context), costs, per-prompt verdicts and the failure report
+                       ``ttft_ms``, overall and per context), costs, per-prompt verdicts and the failure report; the
+                       preflight's estimate and the measured peak RSS it can be checked against
 and ``artifacts/<model>/plots/<variant>.json``: one row per context length, for ``dvc plots``.
 """
 
@@ -39,7 +40,9 @@ from pipeline.core.log import log, relay, relay_env
 from pipeline.core.records import fingerprint, read_record, require_record
 from pipeline.core.shape import BuildShape
 from pipeline.host import preflight
+from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
+from pipeline.recipe.spec import load_spec
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
@@ -199,7 +202,9 @@ def run(cfg: PipelineConfig) -> StageResult:
     shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
     chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
                                       cfg.validate.prompt_names)
-    need = preflight.validate_need(cfg.model.resources.get(manifest["backend"]), manifest["backend"], shape)
+    backend = manifest["backend"]
+    est = preflight.estimate(load_spec(paths.weights), shape, backend, cfg.model.resources.get(backend))
+    need = preflight.validate_need(est.resources, backend, shape, est.describe())
     host = preflight.check(need, cfg.preflight)
     sig = cfg.package.signing
     accepted = signing.check(paths.dist, manifest["archive"]["name"], sig.verifying_key(), sig.allow_unsigned,
@@ -239,7 +244,9 @@ def run(cfg: PipelineConfig) -> StageResult:
     atomic_write_json(paths.validation_report, {  # the record, written last: its fingerprint says all is written
         "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
         "backend": manifest["backend"], "hardware": hardware, "coverage": coverage, "signature": accepted,
-        "preflight": {"need": need.record(), "host": host.record()},
+        "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record(),
+                      "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
+                                   "validation_peak_rss_mb": measured["peak_rss_mb"]}},
         "gates": gates, "throughput_gate": gate,
         "parity": measured["parity"],
         # throughput: the summary. tokens_per_s is decode speed at the slowest context (1 / mean decode step);
