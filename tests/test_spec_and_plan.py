@@ -46,11 +46,13 @@ def test_e4b_spec_from_global_head_dim():
     assert spec.eos_token_ids == (1, 106) and spec.tie_word_embeddings
 
 
-def test_per_layer_config_spelling_reads_the_same():
+@pytest.mark.parametrize("index", [str, lambda i: str(i).zfill(2)], ids=["plain", "zero_padded"])
+def test_per_layer_config_spelling_reads_the_same(index):
+    """transformers 5.24's save_pretrained writes the layer indices zero-padded ("05" ... "41" of E4B's 42 layers)."""
     with_plc = copy.deepcopy(E4B_CONFIG)
     text = with_plc["text_config"]
     del text["global_head_dim"]
-    text["per_layer_config"] = {str(i): {"head_dim": 512} for i, t in enumerate(text["layer_types"]) if t == FULL}
+    text["per_layer_config"] = {index(i): {"head_dim": 512} for i, t in enumerate(text["layer_types"]) if t == FULL}
     assert spec_from_config(with_plc) == spec_from_config(E4B_CONFIG)
 
 

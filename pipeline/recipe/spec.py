@@ -336,9 +336,12 @@ def layer_shapes(raw: dict[str, Any], layer_types: list[str], head_dim: int, kv_
     per_layer = raw.get("per_layer_config")
     if not per_layer:
         return by_global
+    # transformers writes the layer indices zero-padded to one width ("05" of 12 layers, "05" ... "41" of E4B's 42) and
+    # reads them back with int() (integrations/heterogeneity/configuration_utils.py, 5.24): so do we.
+    by_index = {int(k): v for k, v in per_layer.items()}
     said = []  # what config.json says: per_layer_config overrides the base head_dim / num_key_value_heads
     for i in range(len(layer_types)):
-        override = per_layer.get(str(i)) or per_layer.get(i) or {}
+        override = by_index.get(i) or {}
         said.append((int(override.get("head_dim") or head_dim), int(override.get("num_key_value_heads") or kv_heads)))
     if reads_per_layer_config():
         return said
