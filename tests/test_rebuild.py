@@ -89,7 +89,9 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     report_path = tmp_path / "gemma4_tiny" / "512_fp32" / "validation.json"
     measured = report_path.read_text()
     slower = json.loads(measured)
-    slower["throughput"]["tokens_per_s"] /= 2  # as if the new compiler's code were half as fast
+    # As if the new compiler's code were ten times slower: a wide margin, since the first version was timed on a
+    # shared machine, perhaps while it was busier (halving failed to regress once under a 9x load).
+    slower["throughput"]["tokens_per_s"] /= 10
     report_path.write_text(json.dumps(slower))
     with pytest.raises(PublishError, match=rf"(?s){second} regressed against {first}.*decode "
                                            r"tokens/s [^\n]*REGRESSED"):
