@@ -48,26 +48,25 @@ def measure(artifacts: Path, model: str, variant: str, weights: Path, text_prefi
     """Runs in the fresh interpreter (the clock started before it was launched)."""
     import torch
 
-    from pipeline.artifact import manifest as manifest_mod
     from pipeline.artifact.archive import extract_verified, verify_file
+    from pipeline.artifact.manifest import Manifest
     from pipeline.backends import get_backend
-    from pipeline.core.shape import BuildShape
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings
     from pipeline.recipe.spec import load_spec
 
     marks = {"imported": time.time()}
     dist = artifacts / model / variant / "dist"
-    manifest = manifest_mod.load(dist / "manifest.json")
-    archive = dist / manifest["archive"]["name"]
-    verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
+    manifest = Manifest.read(dist / "manifest.json")
+    archive = dist / manifest.archive.name
+    verify_file(archive, manifest.archive.size, manifest.archive.sha256, "archive")
     marks["checksum"] = time.time()
     work = Path(tempfile.mkdtemp(dir=artifacts))
     ranks = extract_verified(archive, manifest, work / "ranks")
     marks["unpack"] = time.time()
-    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    shape = manifest.shape
     spec = load_spec(weights)
-    with Checkpoint(weights, text_prefix) as ckpt, get_backend(manifest["backend"]).load(ranks, shape) as runner:
+    with Checkpoint(weights, text_prefix) as ckpt, get_backend(manifest.backend).load(ranks, shape) as runner:
         marks["load"] = time.time()
         embed = HostEmbeddings(ckpt, spec)
         if shape.prefill == "device":
@@ -81,7 +80,7 @@ def measure(artifacts: Path, model: str, variant: str, weights: Path, text_prefi
             runner.decode(e, p, torch.tensor([[1 + i % (shape.kv_max - 2)]]), torch.tensor([0]))
         marks["decode"] = time.time()
     shutil.rmtree(work, ignore_errors=True)
-    return {"marks": marks, "archive_bytes": manifest["archive"]["size"]}
+    return {"marks": marks, "archive_bytes": manifest.archive.size}
 
 
 def main() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from pipeline.artifact.manifest import SCHEMA_VERSION, Manifest
 from pipeline.config import PipelineConfig
 from pipeline.run import load_config, run_pipeline
 
@@ -63,3 +65,21 @@ def neuron_config(artifacts: Path, variant: str, *overrides: str) -> PipelineCon
 def run(cfg: PipelineConfig, stage: str = "all"):
     cfg.stage = stage
     return run_pipeline(cfg)
+
+
+def a_manifest(**changes) -> Manifest:
+    """A valid manifest of a two-rank cpu build of the tiny model (made-up checksums), with ``changes`` to its
+    top-level fields."""
+    members = [{"path": f"tp_{rank}.pt", "size": 1000 + rank, "sha256": f"{rank + 1}" * 64} for rank in (0, 1)]
+    manifest = Manifest.from_json({
+        "schema_version": SCHEMA_VERSION, "version": f"512_fp32-{CPU_COMPILER}-0123abcd", "fingerprint": "0" * 64,
+        "model": {"name": "gemma4_tiny", "hub_id": None, "revision": None, "config_digest": "c" * 64,
+                  "weights_digest": "d" * 64},
+        "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
+                    "tp_degree": 2},
+        "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {"torch": "2.13.0"}},
+        "toolchain": {"backend": "cpu"}, "layout": "per_rank", "members": members,
+        "archive": {"name": "a.tar.zst", "format": "tar.zst", "size": 2000, "sha256": "e" * 64, "root": "a"},
+        "created_by": "gemma4-neuron-pipeline test",
+    }, "a_manifest")
+    return replace(manifest, **changes)

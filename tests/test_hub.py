@@ -9,15 +9,17 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from pipeline.artifact.manifest import Manifest
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import atomic_write_json, read_json, sha256_file
 from pipeline.paths import Paths
 
-from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
+from .helpers import CPU_COMPILER, FAST_VALIDATE, a_manifest, config, run
 from .hubserver import Hub
 
 REPO_ID = "tester/gemma4-tiny-inferentia2"
@@ -289,10 +291,11 @@ def test_the_placeholder_repo_id_and_an_ownerless_one_are_refused_for_the_hub(tm
 def test_a_repository_of_one_model_refuses_a_build_of_another():
     from pipeline.stages.publish import require_same_model
 
-    ours = {"version": "512_bf16-ncc2.23.6484.0", "model": {"hub_id": "google/gemma-4-E4B-it"}}
+    base = a_manifest(version="512_bf16-ncc2.23.6484.0")
+    ours = replace(base, model=replace(base.model, hub_id="google/gemma-4-E4B-it"))
     require_same_model(ours, [ours], "org/repo")
     with pytest.raises(PublishError, match=r"org/repo holds builds of \['google/gemma-4-E2B-it'\]"):
-        require_same_model(ours, [{"model": {"hub_id": "google/gemma-4-E2B-it"}}], "org/repo")
+        require_same_model(ours, [replace(base, model=replace(base.model, hub_id="google/gemma-4-E2B-it"))], "org/repo")
 
 
 # -- a Hub that does not answer, refuses, or is full ---------------------------------------------------------------
@@ -444,8 +447,8 @@ def test_the_projects_cards_pass_the_hubs_metadata_check_and_a_broken_one_is_ref
     from pipeline.publishing.card import render
     from pipeline.stages import publish
 
-    ours = json.loads(files_at(hub, version_of(project))["512_fp32/manifest.json"])
-    real = ours | {"model": ours["model"] | {"hub_id": "google/gemma-4-E4B-it"}, "backend": "neuron"}
+    ours = Manifest.from_json(json.loads(files_at(hub, version_of(project))["512_fp32/manifest.json"]), "published")
+    real = replace(ours, model=replace(ours.model, hub_id="google/gemma-4-E4B-it"), backend="neuron")
     api, repo_id = HfApi(endpoint=hub.url, token=hub.token), "tester/cards"
     api.create_repo(repo_id)
     for manifests in ([real], [ours]):  # the real model's card and the demo card: each a commit the Hub accepts

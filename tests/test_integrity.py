@@ -11,13 +11,14 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from pipeline.artifact import manifest as manifest_mod
 from pipeline.artifact import signing
 from pipeline.artifact.archive import FORMATS, extract_verified, pack, verify_build
+from pipeline.artifact.manifest import SCHEMA_VERSION, Manifest
 from pipeline.core.errors import ConfigError, IntegrityError, PipelineError
 from pipeline.core.fsutil import sha256_bytes, sha256_file
 from pipeline.paths import Paths
@@ -35,19 +36,19 @@ def rank_dir(tmp_path: Path, sizes=(300_000, 300_001)) -> Path:
     return src
 
 
-def manifest_for(packed: dict, tp_degree: int = 2) -> dict:
+def manifest_for(packed: dict, tp_degree: int = 2) -> Manifest:
     """A schema-valid manifest around ``packed`` (what the package stage writes)."""
-    return manifest_mod.check({
-        "schema_version": manifest_mod.SCHEMA_VERSION, "version": f"512_fp32-{CPU_COMPILER}", "fingerprint": "0" * 64,
+    return Manifest.from_json({
+        "schema_version": SCHEMA_VERSION, "version": f"512_fp32-{CPU_COMPILER}", "fingerprint": "0" * 64,
         "model": {"name": "gemma4_tiny", "hub_id": None, "revision": None, "config_digest": "c", "weights_digest": "w"},
         "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
                     "tp_degree": tp_degree},
         "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {}}, "toolchain": {},
         "layout": "per_rank", "members": packed["members"], "archive": packed["archive"],
-    })
+    }, "the test's manifest")
 
 
-def packed(tmp_path: Path, fmt: str = "tar.zst") -> tuple[Path, dict]:
+def packed(tmp_path: Path, fmt: str = "tar.zst") -> tuple[Path, Manifest]:
     src = rank_dir(tmp_path)
     out = tmp_path / f"a.{fmt}"
     return out, manifest_for(pack(src, ["tp_0.pt", "tp_1.pt"], ROOT, out, fmt))
@@ -107,7 +108,7 @@ def test_corrupted_archives_are_refused_before_extraction(tmp_path, damage):
 # -- malicious archives ----------------------------------------------------------------------------------------
 
 def craft(tmp_path: Path, entries: list[tuple[tarfile.TarInfo, bytes | None]],
-          members: list[dict]) -> tuple[Path, dict]:
+          members: list[dict]) -> tuple[Path, Manifest]:
     """A tar whose archive checksum the manifest does match: only the member allow-list stands in the way."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -156,8 +157,8 @@ def test_malicious_archives_are_refused_and_nothing_is_written(tmp_path, kind):
 
 # -- mismatched manifests ----------------------------------------------------------------------------------------
 
-def mutate(manifest: dict, kind: str) -> dict:
-    m = copy.deepcopy(manifest)
+def mutate(manifest: Manifest, kind: str) -> dict:
+    m = copy.deepcopy(manifest.to_json())
     if kind == "missing_rank":
         m["members"] = m["members"][:1]
     elif kind == "extra_rank":
@@ -183,12 +184,12 @@ def test_mismatched_manifests_are_refused_when_read(tmp_path, kind, message):
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(mutate(manifest, kind)))
     with pytest.raises(IntegrityError, match=message):
-        manifest_mod.load(path)
+        Manifest.read(path)
 
 
 def test_a_member_with_a_wrong_sha256_is_refused_and_removed(tmp_path):
     archive, manifest = packed(tmp_path)
-    manifest["members"][1]["sha256"] = "f" * 64
+    manifest = replace(manifest, members=(manifest.members[0], replace(manifest.members[1], sha256="f" * 64)))
     dest = tmp_path / "out"
     with pytest.raises(IntegrityError, match=r"archive member '.*tp_1.pt' does not match the manifest"):
         extract_verified(archive, manifest, dest)
@@ -218,12 +219,12 @@ def keys(tmp_path_factory) -> tuple[str, str, str]:
     return str(d / "a"), str(d / "a.pub"), str(d / "b.pub")
 
 
-def signed_dist(tmp_path: Path, private: str) -> tuple[Path, dict]:
+def signed_dist(tmp_path: Path, private: str) -> tuple[Path, Manifest]:
     archive, manifest = packed(tmp_path)
     dist = tmp_path / "dist"
     dist.mkdir()
     shutil.move(archive, dist / archive.name)
-    manifest_mod.write(dist / "manifest.json", manifest)
+    manifest.write(dist / "manifest.json")
     signing.sign(dist, archive.name, private)
     return dist, manifest
 
@@ -234,20 +235,19 @@ def test_a_tampered_signed_artifact_is_refused(tmp_path, keys, tamper):
     dist, manifest = signed_dist(tmp_path, private)
     key = other if tamper == "wrong_key" else public
     if tamper == "manifest_member_sha":  # point a member at an attacker's file
-        manifest["members"][0]["sha256"] = "a" * 64
-        manifest_mod.write(dist / "manifest.json", manifest)
+        replace(manifest, members=(replace(manifest.members[0], sha256="a" * 64), *manifest.members[1:])).write(
+            dist / "manifest.json")
     elif tamper == "archive_and_manifest":  # swap the archive and reseal the manifest without the key
-        archive = dist / manifest["archive"]["name"]
+        archive = dist / manifest.archive.name
         archive.write_bytes(archive.read_bytes()[::-1])
-        manifest["archive"]["sha256"] = sha256_file(archive)
-        manifest_mod.write(dist / "manifest.json", manifest)
+        replace(manifest, archive=replace(manifest.archive, sha256=sha256_file(archive))).write(dist / "manifest.json")
     elif tamper == "extra_file":
         (dist / "README").write_text("unsigned")
     if tamper == "none":
-        assert signing.check(dist, manifest["archive"]["name"], key, False, "artifact") == "verified"
+        assert signing.check(dist, manifest.archive.name, key, False, "artifact") == "verified"
         return
     with pytest.raises(IntegrityError, match="signature check .* failed: (Signature|Key) mismatch"):
-        signing.check(dist, manifest["archive"]["name"], key, False, "artifact")
+        signing.check(dist, manifest.archive.name, key, False, "artifact")
 
 
 def test_unsigned_artifacts_pass_only_when_allowed(tmp_path):
@@ -288,16 +288,15 @@ def test_validate_refuses_a_tampered_artifact_before_loading(signed_project, tmp
     cfg = config(root, *FAST_VALIDATE, f"package.signing.private_key={keys[0]}", "package.signing.allow_unsigned=false",
                  "force=true")
     dist = Paths.of(cfg).dist
-    manifest = manifest_mod.load(dist / "manifest.json")
+    manifest = Manifest.read(dist / "manifest.json")
     if tamper == "flip_archive_byte":
-        archive = dist / manifest["archive"]["name"]
+        archive = dist / manifest.archive.name
         data = bytearray(archive.read_bytes())
         data[len(data) // 2] ^= 1
         archive.write_bytes(bytes(data))
         expected = "has sha256"
     elif tamper == "edit_manifest":
-        manifest["compiler"]["args"] = ["--innocent"]
-        manifest_mod.write(dist / "manifest.json", manifest)
+        replace(manifest, compiler=replace(manifest.compiler, args=("--innocent",))).write(dist / "manifest.json")
         expected = "Signature mismatch"
     else:
         (dist / signing.SIGNATURE).unlink()
@@ -334,7 +333,7 @@ def test_unknown_formats_and_unreadable_keys_are_refused_by_name(tmp_path):
 # -- pull ------------------------------------------------------------------------------------------------------------
 
 def published_version(project: Path) -> str:
-    return manifest_mod.load(Paths(project, "gemma4_tiny", "512_fp32").manifest)["version"]
+    return Manifest.read(Paths(project, "gemma4_tiny", "512_fp32").manifest).version
 
 
 def pull_cli(*args: str) -> subprocess.CompletedProcess:
@@ -349,8 +348,8 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
     path = Path(proc.stdout.strip())
     assert path == tmp_path / f"gemma4_tiny-{version}"
     assert sorted(p.name for p in path.iterdir()) == ["tp_0.pt", "tp_1.pt"]
-    manifest = manifest_mod.load(Paths(signed_project, "gemma4_tiny", "512_fp32").manifest)
-    assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
+    manifest = Manifest.read(Paths(signed_project, "gemma4_tiny", "512_fp32").manifest)
+    assert [sha256_file(path / m.path) for m in manifest.members] == [m.sha256 for m in manifest.members]
     again = pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key", keys[1])
     assert again.returncode == 0 and Path(again.stdout.strip()) == path  # idempotent
     # No downloads left behind; the manifest sits beside the rank directory, not in it.
@@ -424,15 +423,15 @@ def test_the_cards_usage_block_applies_to_the_version_it_shows(signed_project):
     version = published_version(signed_project)
     shown = subprocess.run(["git", "show", f"{version}:512_fp32/manifest.json"], cwd=signed_project / "published",
                            capture_output=True, text=True, check=True).stdout
-    signed = json.loads(shown)
-    assert signed["signature"] == {"file": "manifest.sig"}
-    real = signed | {"model": signed["model"] | {"hub_id": "google/gemma-4-E4B-it"}}
+    signed = Manifest.from_json(json.loads(shown), "the published manifest")
+    assert signed.signature == {"file": "manifest.sig"}
+    real = replace(signed, model=replace(signed.model, hub_id="google/gemma-4-E4B-it"))
     card = render([real], "org/gemma-4-E4B-it-inferentia2", "/srv/published")
     assert f"python -m pipeline pull /srv/published {version} --dest /workspace --public-key" in card
-    assert f"/workspace/{signed['archive']['root']}/` holding `tp_0.pt`, `tp_1.pt`" in " ".join(card.split())
+    assert f"/workspace/{signed.archive.root}/` holding `tp_0.pt`, `tp_1.pt`" in " ".join(card.split())
     row = next(line for line in card.splitlines() if line.startswith(f"| `{version}`"))
     assert "| `tp_0.pt`, `tp_1.pt` |" in row and row.endswith("| yes |")
-    unsigned = render([{k: v for k, v in real.items() if k != "signature"}], "org/gemma-4-E4B-it-inferentia2")
+    unsigned = render([replace(real, signature=None)], "org/gemma-4-E4B-it-inferentia2")
     assert (f"python -m pipeline pull org/gemma-4-E4B-it-inferentia2 {version} --dest /workspace --allow-unsigned"
             in unsigned)
     assert "--public-key" not in unsigned

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact.manifest import Manifest
 from pipeline.core.fsutil import sha256_file
 from pipeline.stages.package import version_name
 
@@ -41,19 +41,19 @@ def test_every_stage_ran_and_left_its_outputs(built):
     assert "ran toolchain, model, reference, trace, package, validate, publish" in log
     vdir = root / "gemma4_tiny" / VARIANT
     assert sorted(p.name for p in (vdir / "build").iterdir()) == ["tp_0.pt", "tp_1.pt"]
-    manifest = manifest_mod.load(vdir / "dist" / "manifest.json")
-    archive = vdir / "dist" / manifest["archive"]["name"]
-    assert sha256_file(archive) == manifest["archive"]["sha256"]
+    manifest = Manifest.read(vdir / "dist" / "manifest.json")
+    archive = vdir / "dist" / manifest.archive.name
+    assert sha256_file(archive) == manifest.archive.sha256
     build = json.loads((vdir / "build.json").read_text())
-    assert manifest["version"] == version_name(VARIANT, CPU_COMPILER, build["inputs_digest"], "tar.zst", False)
-    assert re.fullmatch(rf"{VARIANT}-{re.escape(CPU_COMPILER)}-[0-9a-f]{{8}}", manifest["version"])
-    assert [m["path"] for m in manifest["members"]] == ["tp_0.pt", "tp_1.pt"]
+    assert manifest.version == version_name(VARIANT, CPU_COMPILER, build["inputs_digest"], "tar.zst", False)
+    assert re.fullmatch(rf"{VARIANT}-{re.escape(CPU_COMPILER)}-[0-9a-f]{{8}}", manifest.version)
+    assert [m.path for m in manifest.members] == ["tp_0.pt", "tp_1.pt"]
     metrics = json.loads((vdir / "metrics.json").read_text())
     assert metrics["parity"] == {"passed": True, "mode": "exact"}
     assert set(metrics["tokens_per_s"]) == set(metrics["ttft_ms"]) == {"short", "half", "near_max"}
     assert all(v > 0 for v in [*metrics["tokens_per_s"].values(), *metrics["ttft_ms"].values()])
     receipt = json.loads((vdir / "publish.json").read_text())
-    assert receipt["tag"] == manifest["version"] and len(receipt["commit"]) == 40
+    assert receipt["tag"] == manifest.version and len(receipt["commit"]) == 40
     toolchain = json.loads((root / "toolchain.json").read_text())
     assert toolchain["backend"] == "cpu" and toolchain["packages"]["neuronx-cc"]["version"] is None
 
@@ -77,12 +77,12 @@ def test_validation_shows_its_progress_in_the_stages_log(built):
 def test_the_archive_unpacks_to_one_directory_of_rank_files(built, tmp_path):
     root, _ = built
     dist = root / "gemma4_tiny" / VARIANT / "dist"
-    manifest = manifest_mod.load(dist / "manifest.json")
-    assert manifest["archive"]["format"] == "tar.zst"
-    subprocess.run(["tar", "-I", "zstd", "-xf", str(dist / manifest["archive"]["name"]), "-C", str(tmp_path)],
+    manifest = Manifest.read(dist / "manifest.json")
+    assert manifest.archive.format == "tar.zst"
+    subprocess.run(["tar", "-I", "zstd", "-xf", str(dist / manifest.archive.name), "-C", str(tmp_path)],
                    check=True)
     names = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    top = manifest["archive"]["root"]
+    top = manifest.archive.root
     assert names == [top, f"{top}/tp_0.pt", f"{top}/tp_1.pt"]
 
 
@@ -90,7 +90,7 @@ def test_the_published_repo_holds_the_version(built):
     root, _ = built
     repo = root / "published"
     tags = subprocess.run(["git", "tag"], cwd=repo, capture_output=True, text=True).stdout.split()
-    assert tags == [manifest_mod.load(root / "gemma4_tiny" / VARIANT / "dist" / "manifest.json")["version"]]
+    assert tags == [Manifest.read(root / "gemma4_tiny" / VARIANT / "dist" / "manifest.json").version]
     files = subprocess.run(["git", "ls-tree", "-r", "--name-only", tags[0]], cwd=repo, capture_output=True,
                            text=True).stdout.split()
     assert "README.md" in files and f"{VARIANT}/manifest.json" in files and f"{VARIANT}/metrics.json" in files

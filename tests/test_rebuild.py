@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from pipeline.core.errors import PublishError
 from pipeline.core.shape import BuildShape
 from pipeline.publishing import regression
 
-from .helpers import FAST_VALIDATE, config, run
+from .helpers import FAST_VALIDATE, a_manifest, config, run
 from .test_spec_and_plan import E4B_CONFIG
 
 GIB = 1 << 30
@@ -55,7 +56,7 @@ def test_regression_rows_and_verdicts():
 
 
 def test_the_gate_refuses_or_records_an_allowed_regression():
-    previous = {"version": "2048_bf16-ncc2.23.6484.0", "fingerprint": "f" * 64, "validation": summary(36.0, 120.0)}
+    previous = a_manifest(version="2048_bf16-ncc2.23.6484.0", fingerprint="f" * 64, validation=summary(36.0, 120.0))
     with pytest.raises(PublishError, match=r"(?s)regressed against 2048_bf16-ncc2.23.6484.0.*decode tokens/s.*"
                                            r"REGRESSED.*publish.allow_regression=true"):
         regression.gate(previous, "2048_bf16-ncc2.24.0.0", "a" * 64, summary(20.0, 120.0), RegressionConfig(), False)
@@ -64,7 +65,7 @@ def test_the_gate_refuses_or_records_an_allowed_regression():
     assert record["allowed"] and not record["passed"] and record["against"] == "2048_bf16-ncc2.23.6484.0"
     assert regression.gate(None, "v", "a" * 64, summary(1.0, 1.0), RegressionConfig(), False) is None  # the first
     # An earlier attempt of this very publish (same fingerprint) is not a previous version: its record is kept.
-    landed = previous | {"regression": record}
+    landed = replace(previous, regression=record)
     assert regression.gate(landed, "v", "f" * 64, summary(1.0, 1.0), RegressionConfig(), False) == record
 
 

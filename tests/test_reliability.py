@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact.manifest import Manifest
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import sha256_file
 from pipeline.host.preflight import resolve_hardware
@@ -193,7 +193,7 @@ def test_a_full_disk_fails_cleanly_and_the_rerun_works_once_there_is_room(built,
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))
     rank_size = (paths.build / "tp_0.pt").stat().st_size
-    manifest = manifest_mod.load(paths.manifest)
+    manifest = Manifest.read(paths.manifest)
     if step == "trace":
         shutil.rmtree(paths.build)
         paths.build_record.unlink()
@@ -203,8 +203,8 @@ def test_a_full_disk_fails_cleanly_and_the_rerun_works_once_there_is_room(built,
         args, final = stage_args(root, "package"), paths.dist
     else:
         dest = tmp_path / "serving"
-        args = ["pull", str(root / "published"), manifest["version"], "--dest", str(dest), "--allow-unsigned"]
-        final = dest / manifest["archive"]["root"]
+        args = ["pull", str(root / "published"), manifest.version, "--dest", str(dest), "--allow-unsigned"]
+        final = dest / manifest.archive.root
     full = cli(*args, file_size_limit=rank_size // 2)
     said = full.stdout + full.stderr  # (Hydra logs to stdout)
     assert full.returncode == 1, said[-2000:]
@@ -216,10 +216,10 @@ def test_a_full_disk_fails_cleanly_and_the_rerun_works_once_there_is_room(built,
     again = cli(*args)
     assert again.returncode == 0, again.stderr[-2000:]
     if step == "trace":
-        assert {m["path"]: m["sha256"] for m in manifest["members"]} == {
+        assert {m.path: m.sha256 for m in manifest.members} == {
             p.name: sha256_file(p) for p in paths.build.iterdir()}
     elif step == "package":
-        assert sha256_file(paths.dist / manifest["archive"]["name"]) == manifest["archive"]["sha256"]
+        assert sha256_file(paths.dist / manifest.archive.name) == manifest.archive.sha256
     else:
         assert again.stdout.strip() == str(final)
         assert sorted(p.name for p in final.iterdir()) == ["tp_0.pt", "tp_1.pt"]
@@ -238,13 +238,13 @@ def published_history(repo: Path) -> tuple[list[str], list[str]]:
 def test_a_forced_rebuild_gives_the_same_archive_and_publishes_nothing(built, tmp_path):
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))
-    before, history = manifest_mod.load(paths.manifest)["archive"]["sha256"], published_history(root / "published")
+    before, history = Manifest.read(paths.manifest).archive.sha256, published_history(root / "published")
     results = run(config(root, *FAST_VALIDATE, "force=true"))
     # Every build stage really ran again; the toolchain record and the published repository had nothing to change.
     assert [(r.stage, r.status) for r in results] == [("toolchain", "skipped")] + [
         (s, "ran") for s in ("model", "reference", "trace", "package", "validate")] + [("publish", "skipped")]
-    assert manifest_mod.load(paths.manifest)["archive"]["sha256"] == before
-    assert sha256_file(paths.dist / manifest_mod.load(paths.manifest)["archive"]["name"]) == before
+    assert Manifest.read(paths.manifest).archive.sha256 == before
+    assert sha256_file(paths.dist / Manifest.read(paths.manifest).archive.name) == before
     assert published_history(root / "published") == history  # no new commit, no new tag
 
 
@@ -276,8 +276,8 @@ def test_two_dvc_repros_at_once_one_refused_nothing_corrupted(tmp_path):
     status = dvc(repo, "status", "model", f"trace@{VARIANT}", f"package@{VARIANT}")
     assert "Data and pipelines are up to date" in status, status
     dist = repo / "artifacts" / "gemma4_tiny" / VARIANT / "dist"
-    manifest = manifest_mod.load(dist / "manifest.json")
-    assert sha256_file(dist / manifest["archive"]["name"]) == manifest["archive"]["sha256"]
+    manifest = Manifest.read(dist / "manifest.json")
+    assert sha256_file(dist / manifest.archive.name) == manifest.archive.sha256
 
 
 # -- TorchScript is loaded only after verification ------------------------------------------------------------------
@@ -287,18 +287,18 @@ def test_torchscript_is_loaded_only_from_verified_files(built, tmp_path):
     manifest records; a tampered archive is refused with no load at all."""
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))
-    manifest = manifest_mod.load(paths.manifest)
+    manifest = Manifest.read(paths.manifest)
     audit = tmp_path / "jit_load.log"
     ok = cli(*stage_args(root, "validate"), "force=true", AUDIT_JIT_LOAD=str(audit))
     assert ok.returncode == 0, ok.stderr[-2000:]
     loads = [line.split(" ", 1) for line in audit.read_text().splitlines()]
     assert len(loads) == 2  # both ranks
-    recorded = {m["sha256"] for m in manifest["members"]}
+    recorded = {m.sha256 for m in manifest.members}
     for digest, path in loads:
         assert digest in recorded
         assert not Path(path).is_relative_to(paths.build)  # the verified extraction, not the build directory
 
-    pulled = cli("pull", str(root / "published"), manifest["version"], "--dest", str(tmp_path / "serving"),
+    pulled = cli("pull", str(root / "published"), manifest.version, "--dest", str(tmp_path / "serving"),
                  "--allow-unsigned")
     assert pulled.returncode == 0, pulled.stderr
     gen = cli("generate", pulled.stdout.strip(), "--checkpoint", str(paths.weights), "--prompt", "Hi",
@@ -307,7 +307,7 @@ def test_torchscript_is_loaded_only_from_verified_files(built, tmp_path):
     assert len(audit.read_text().splitlines()) == 4 and all(
         line.split(" ", 1)[0] in recorded for line in audit.read_text().splitlines())
 
-    archive = paths.dist / manifest["archive"]["name"]
+    archive = paths.dist / manifest.archive.name
     data = bytearray(archive.read_bytes())
     data[len(data) // 2] ^= 1
     archive.write_bytes(bytes(data))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifact import manifest as manifest_mod
+from pipeline.artifact.manifest import Manifest
 
 pytestmark = pytest.mark.slow  # `make test-rehearsal`, and under the production and lowest versions
 
@@ -28,13 +28,13 @@ def clone(dst: Path) -> Path:
     return dst
 
 
-def build(checkout: Path, env: dict) -> dict:
+def build(checkout: Path, env: dict) -> Manifest:
     """One variant through package, run from ``checkout`` as a user runs it (its own ``pipeline`` package first)."""
     for stage in STAGES:
         proc = subprocess.run([sys.executable, "-m", "pipeline", "+variant=512_bf16", "backend=cpu", f"stage={stage}"],
                               cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return manifest_mod.load(checkout / "artifacts" / "gemma4_tiny" / "512_bf16" / "dist" / "manifest.json")
+    return Manifest.read(checkout / "artifacts" / "gemma4_tiny" / "512_bf16" / "dist" / "manifest.json")
 
 
 def test_two_checkouts_in_two_environments_build_the_same_archive(tmp_path):
@@ -50,12 +50,12 @@ def test_two_checkouts_in_two_environments_build_the_same_archive(tmp_path):
     ours = build(first, base)
     theirs = build(second, base | {"PYTHONPATH": str(other_env), "TZ": "Pacific/Auckland"})
 
-    assert theirs["version"] == ours["version"]
-    assert theirs["members"] == ours["members"]
-    assert theirs["archive"]["sha256"] == ours["archive"]["sha256"]
+    assert theirs.version == ours.version
+    assert theirs.members == ours.members
+    assert theirs.archive.sha256 == ours.archive.sha256
     # Nothing of where or by whom it was built is left in the rank files.
-    for member in ours["members"]:
-        rank = first / "artifacts" / "gemma4_tiny" / "512_bf16" / "build" / member["path"]
+    for member in ours.members:
+        rank = first / "artifacts" / "gemma4_tiny" / "512_bf16" / "build" / member.path
         with zipfile.ZipFile(rank) as zf:
             assert not [n for n in zf.namelist() if n.endswith(".debug_pkl")]
             blob = b"".join(zf.read(n) for n in zf.namelist() if not n.startswith("archive/data/"))

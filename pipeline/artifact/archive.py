@@ -25,10 +25,13 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from pipeline.core.errors import IntegrityError
 from pipeline.core.fsutil import sha256_file, temp_dir_beside
+
+if TYPE_CHECKING:
+    from pipeline.artifact.manifest import Manifest
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 SUFFIX = {"tar.zst": ".tar.zst", "tar.gz": ".tar.gz", "tar": ".tar"}
@@ -237,24 +240,24 @@ def _decompressed(fmt: str, raw: BinaryIO):
     raise IntegrityError(f"archive format {fmt!r} is not one of {list(FORMATS)}")
 
 
-def extract_verified(archive: Path, manifest: dict, dest: Path) -> VerifiedBuild:
+def extract_verified(archive: Path, manifest: Manifest, dest: Path) -> VerifiedBuild:
     """Verify ``archive`` against ``manifest`` and unpack its rank files into ``dest`` (a new directory).
 
     ``dest`` ends up holding exactly the manifest's members, each with its manifest sha256, or does not change.
     """
-    spec = manifest["archive"]
-    verify_file(archive, spec["size"], spec["sha256"], "archive")
+    spec = manifest.archive
+    verify_file(archive, spec.size, spec.sha256, "archive")
     if dest.exists():
         raise IntegrityError(f"refusing to unpack into existing {dest}: choose a new directory")
-    allowed = {m["path"]: m for m in manifest["members"]}
+    allowed = {m["path"]: m for m in manifest.member_files()}
     tmp = temp_dir_beside(dest)
     try:
         seen: set[str] = set()
         try:
-            with open(archive, "rb") as raw, tarfile.open(fileobj=_decompressed(spec["format"], raw), mode="r|",
+            with open(archive, "rb") as raw, tarfile.open(fileobj=_decompressed(spec.format, raw), mode="r|",
                                                           bufsize=READ_CHUNK) as tar:
                 for info in tar:
-                    member = _member_name(info, spec["root"], allowed)
+                    member = _member_name(info, spec.root, allowed)
                     if not member:
                         continue
                     if member in seen:
@@ -270,7 +273,7 @@ def extract_verified(archive: Path, manifest: dict, dest: Path) -> VerifiedBuild
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return VerifiedBuild(dest, tuple(manifest["members"]), tuple(_stamp(dest, m) for m in sorted(allowed)))
+    return VerifiedBuild(dest, tuple(manifest.member_files()), tuple(_stamp(dest, m) for m in sorted(allowed)))
 
 
 def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, path: Path, expected: dict) -> None:

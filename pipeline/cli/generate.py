@@ -16,13 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.artifact import manifest as manifest_mod
 from pipeline.artifact.archive import verify_build
+from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.cli.pull import manifest_beside
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
-from pipeline.core.shape import BuildShape
 from pipeline.validation.generation import Generator, check_fits
 from pipeline.validation.prompts import chat_ids
 
@@ -51,9 +50,9 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int,
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = manifest_mod.load(manifest_beside(rank_dir))
-    build = verify_build(rank_dir, manifest["members"])
-    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    manifest = Manifest.read(manifest_beside(rank_dir))
+    build = verify_build(rank_dir, manifest.member_files())
+    shape = manifest.shape
     require_tokenizer(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = chat_ids(tokenizer, prompt)
@@ -64,7 +63,7 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int,
     with Checkpoint(checkpoint, text_prefix or text_prefix_of(checkpoint)) as ckpt:
         ckpt.verify(spec)
         host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
-        with get_backend(manifest["backend"]).load(build, shape) as runner:
+        with get_backend(manifest.backend).load(build, shape) as runner:
             gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
             out = gen.generate(ids, new_tokens)
     tokens = [t for t in out.tokens if t not in spec.eos_token_ids]

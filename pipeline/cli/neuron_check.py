@@ -110,13 +110,14 @@ def prepare(artifacts: Path, overrides: list[str]) -> str:
 
 
 def compile_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
-    from pipeline.core.fsutil import read_json
+    from pipeline.core.build_records import BuildRecord
+    from pipeline.paths import Paths
 
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("trace",))
-    record = read_json(artifacts / "gemma4_tiny" / variant / "build.json")
-    files = ", ".join(f"{m['path']} {m['size'] / 1e6:.1f} MB" for m in record["members"])
-    return f"{record['trace']['api']}: {files} in {record['trace']['wall_s']:.0f} s"
+    record = BuildRecord.read(Paths.of(cfg).build_record)
+    files = ", ".join(f"{m.path} {m.size / 1e6:.1f} MB" for m in record.members)
+    return f"{record.trace['api']}: {files} in {record.trace['wall_s']:.0f} s"
 
 
 def decode_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:

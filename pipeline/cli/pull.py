@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.artifact import manifest as manifest_mod
 from pipeline.artifact import signing
 from pipeline.artifact.archive import extract_verified, verify_build
+from pipeline.artifact.manifest import Manifest
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
 from pipeline.core.log import exit_on_error, log, setup
@@ -118,7 +118,7 @@ def resolve(source, name: str, work: Path) -> tuple[str, str]:
         head = source.head()
         if f"{name}/manifest.json" in source.files(head):
             source.fetch(head, f"{name}/manifest.json", work / "head-manifest.json")
-            version = manifest_mod.load(work / "head-manifest.json")["version"]
+            version = Manifest.read(work / "head-manifest.json").version
             (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
             if version in tags:
                 log.info("pull: %s resolves to %s, the newest published version of that variant", name, version)
@@ -145,24 +145,24 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
         files = source.files(commit)
         folder = variant_folder(files, version)
         source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")
-        manifest = manifest_mod.load(work / "manifest.json")
-        if manifest["version"] != version:
-            raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest['version']!r}, "
+        manifest = Manifest.read(work / "manifest.json")
+        if manifest.version != version:
+            raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
                                  f"not {version!r}")
         if f"{folder}/{signing.SIGNATURE}" in files:
             source.fetch(commit, f"{folder}/{signing.SIGNATURE}", work / signing.SIGNATURE)
-        archive_name = manifest["archive"]["name"]
+        archive_name = manifest.archive.name
         accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
-        target = dest / manifest["archive"]["root"]
+        target = dest / manifest.archive.root
         if target.exists():
-            verify_build(target, manifest["members"])  # already there: only if it is exactly this version
+            verify_build(target, manifest.member_files())  # already there: only if it is exactly this version
             log.info("pull: %s is already in %s and verifies", version, target)
         else:
             source.fetch(commit, f"{folder}/{archive_name}", work / archive_name)
             extract_verified(work / archive_name, manifest, target)
             log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
         # Beside the rank directory, never in it: neuronx-distributed's loader loads every file there.
-        manifest_mod.write(manifest_beside(target), manifest)
+        manifest.write(manifest_beside(target))
         return target
 
 

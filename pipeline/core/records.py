@@ -1,19 +1,29 @@
-"""Input fingerprints and stage records: how a stage knows its outputs are already up to date.
+"""Input fingerprints and stage records: how a stage knows its outputs are already up to date, and how a record is
+read back typed.
 
 A stage hashes everything that determines its outputs (its config section, its inputs' own fingerprints or
 digests, the toolchain, the code that computes it) into a fingerprint, and writes it into its record (build.json,
 manifest.json, metrics.json, ...) last. The outputs are fresh when the record exists, carries the same fingerprint
 and every output it names is present, exactly as DVC decides it from dvc.lock.
+
+``Record`` is the base of the typed records (pipeline/core/build_records.py, pipeline/artifact/manifest.py): a
+dataclass whose annotated fields are its schema. Its reader checks every key and type against them (and the record's
+own ``problems``) and refuses a record with a missing, unknown or wrong-typed key, naming the file, the key and the
+fix; its writer writes only what the reader accepts.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-from pipeline.core.fsutil import canonical_json, read_json, sha256_bytes
+from pipeline.core.errors import PipelineError
+from pipeline.core.fsutil import atomic_write_json, canonical_json, read_json, sha256_bytes
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -63,10 +73,139 @@ def is_fresh(record_path: Path, fp: str, outputs: list[Path] = ()) -> bool:
 
 def require_record(path: Path, stage: str, *also: Path) -> dict:
     """A stage's record (and the outputs it describes), or an error saying which stage makes them."""
-    from pipeline.core.errors import PipelineError
-
     record = read_record(path)
     missing = [str(p) for p in (path, *also) if not Path(p).exists()]
     if record is None or missing:
         raise PipelineError(f"{', '.join(missing) or path} missing or unreadable: run stage={stage} first")
     return record
+
+
+# -- typed records --------------------------------------------------------------------------------------------------
+
+R = TypeVar("R", bound="Record")
+
+
+def _decode(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
+    """``value`` (parsed JSON) as the annotation ``hint`` reads it: dataclasses from objects, tuples from lists. Each
+    mismatch is appended to ``problems`` (``where`` names the key, e.g. ``archive.sha256``)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _decode_fields(hint, value, where, problems)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # records use ``X | None`` only
+        return _decode(inner, value, where, problems)
+    if origin is tuple:  # tuple[X, ...]: a JSON list, held immutable
+        if not isinstance(value, list):
+            problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected a list)")
+            return value
+        return tuple(_decode(args[0], item, f"{where}[{i}]", problems) for i, item in enumerate(value))
+    if origin is dict:  # dict[str, X]: JSON keys are strings already
+        if not isinstance(value, dict):
+            problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected an object)")
+            return value
+        return {key: _decode(args[1], item, f"{where}.{key}", problems) for key, item in value.items()}
+    # bool is an int to isinstance, but never a count or a size
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    if not ok:
+        problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected {hint.__name__})")
+    return value
+
+
+def _decode_fields(cls: type, value: Any, where: str, problems: list[str]) -> Any:
+    """A dataclass from a JSON object: a field with a default may be absent, any other must be there; no other key
+    may be."""
+    if not isinstance(value, dict):
+        problems.append(f"{where or 'the top level'} must be an object, not {type(value).__name__}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    found_before, kwargs = len(problems), {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in value:
+            kwargs[name] = _decode(hints[name], value[name], path, problems)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append(f"missing field {path}")
+    problems += [f"unknown field {where}.{key}" if where else f"unknown field {key}" for key in value
+                 if key not in fields]
+    return cls(**kwargs) if len(problems) == found_before else None
+
+
+def encode(value: Any) -> Any:
+    """A record (or any part of one) as JSON-able values: the inverse of the reader. A field whose default is None is
+    an optional key, left out while it is None; every other field is written, null or not."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.default is None and getattr(value, f.name) is None)}
+    if isinstance(value, (list, tuple)):
+        return [encode(item) for item in value]
+    if isinstance(value, dict):
+        return {key: encode(item) for key, item in value.items()}
+    return value
+
+
+class Record:
+    """A typed record one stage writes and others read: subclasses are dataclasses whose fields are the schema.
+
+    ``KIND`` names it in messages, ``MAKE`` says what makes it (the fix for a missing one), ``FIX`` what to do about
+    one this release cannot read, and ``ERROR`` is what a refusal raises.
+    """
+
+    KIND: ClassVar[str] = "record"
+    MAKE: ClassVar[str] = ""
+    FIX: ClassVar[str] = ""
+    ERROR: ClassVar[type[PipelineError]] = PipelineError
+    SCHEMA_VERSION: ClassVar[int | None] = None
+    """The ``schema_version`` a record of this release carries (None: the record has none). Another is refused
+    before its keys are read: they may mean something else."""
+
+    def problems(self) -> list[str]:
+        """What is wrong beyond keys and types (formats, consistency); a subclass adds its own checks."""
+        return []
+
+    def to_json(self) -> dict[str, Any]:
+        return encode(self)
+
+    @classmethod
+    def from_json(cls: type[R], data: Any, source: str) -> R:
+        """The record in ``data`` (parsed JSON), or ``ERROR`` listing every problem, naming ``source`` (its file)."""
+        found: list[str] = []
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if cls.SCHEMA_VERSION is not None and version is not None and version != cls.SCHEMA_VERSION:
+            found.append(f"schema_version {version!r} is not {cls.SCHEMA_VERSION} (written by another release of "
+                         "the pipeline?)")
+        record = None if found else _decode_fields(cls, data, "", found)
+        if record is not None:
+            found = record.problems()
+        if found:
+            raise cls.ERROR(f"{source} is not a valid {cls.KIND}:\n  - " + "\n  - ".join(found) + f"\n{cls.FIX}")
+        return record
+
+    @classmethod
+    def read(cls: type[R], path: str | Path) -> R:
+        path = Path(path)
+        try:
+            data = read_json(path)
+        except FileNotFoundError:
+            raise cls.ERROR(f"no {cls.KIND} at {path}: {cls.MAKE}") from None
+        except ValueError as exc:
+            raise cls.ERROR(f"{path} is not valid JSON ({exc}): {cls.FIX}") from None
+        return cls.from_json(data, str(path))
+
+    @classmethod
+    def read_if_valid(cls: type[R], path: str | Path) -> R | None:
+        """The record at ``path``, or None when there is none this release can read (its outputs are then stale)."""
+        try:
+            return cls.read(path)
+        except PipelineError:
+            return None
+
+    def write(self, path: str | Path) -> None:
+        """Write it atomically, refusing (with the reader's message) what the reader would refuse."""
+        data = self.to_json()
+        type(self).from_json(data, f"{path} (not written)")
+        atomic_write_json(path, data)

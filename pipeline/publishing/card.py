@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.artifact.manifest import Manifest
+
 
 def _cell(value: Any, fmt: str = "{}") -> str:
     return "–" if value is None else fmt.format(value)
@@ -17,44 +19,44 @@ HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | files | backend 
           "| parity | signed |\n" + "|---" * 12 + "|")
 
 
-def _files(m: dict) -> str:
-    return ", ".join(f"`{member['path']}`" for member in m["members"])
+def _files(m: Manifest) -> str:
+    return ", ".join(f"`{member.path}`" for member in m.members)
 
 
-def _row(m: dict) -> str:
-    v, val = m["variant"], m.get("validation", {})
+def _row(m: Manifest) -> str:
+    v, val = m.variant, m.validation or {}
     tput, parity = val.get("throughput", {}), val.get("parity", {})
     parity_text = "–" if not parity else f"{'pass' if parity.get('passed') else 'FAIL'} ({parity.get('mode')})"
-    return (f"| `{m['version']}` | {v['kv_max']} | {v['bucket']} | {v['dtype']} | {v['prefill']} | {v['tp_degree']} "
-            f"| {_files(m)} | {m['backend']} `{m['compiler']['id']}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
-            f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.get('signature') else 'no'} |")
+    return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} "
+            f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
+            f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
 
 
-def usage(example: dict | None, source: str) -> str:
+def usage(example: Manifest | None, source: str) -> str:
     """The commands that pull and run ``example``, exactly as they apply to it: its source, its own files, and a
     public key only if it is signed."""
     if example is None:
         return "No version is published yet."
-    verify = ("--public-key PUBLISHER-KEY.pub.pem" if example.get("signature")
+    verify = ("--public-key PUBLISHER-KEY.pub.pem" if example.signature
               else "--allow-unsigned   # this version is not signed")
     return f"""```bash
-python -m pipeline pull {source} {example['version']} --dest /workspace {verify}
-python -m pipeline generate /workspace/{example['archive']['root']} --checkpoint /data/gemma-4-E4B-it \\
+python -m pipeline pull {source} {example.version} --dest /workspace {verify}
+python -m pipeline generate /workspace/{example.archive.root} --checkpoint /data/gemma-4-E4B-it \\
     --prompt "What is the capital of France?"
 ```
 
-`pull {source} {example['variant']['name']}` takes the newest published version of that variant instead (it says
-which). `{example['version']}` unpacks to `/workspace/{example['archive']['root']}/` holding
+`pull {source} {example.variant.name}` takes the newest published version of that variant instead (it says
+which). `{example.version}` unpacks to `/workspace/{example.archive.root}/` holding
 {_files(example)}."""
 
 
-def render(manifests: list[dict], repo_id: str, source: str | None = None) -> str:
+def render(manifests: list[Manifest], repo_id: str, source: str | None = None) -> str:
     """The full README.md for ``manifests`` (one per published version, the one being published last; its usage
     block shows that one); ``source`` is where ``pull`` finds them (the Hub repo id, or a local publish folder;
     default ``repo_id``)."""
     example = manifests[-1] if manifests else None
-    manifests = sorted(manifests, key=lambda m: (m["variant"]["name"], m["version"]))
-    base = next((m["model"].get("hub_id") for m in manifests if m["model"].get("hub_id")), None)
+    manifests = sorted(manifests, key=lambda m: (m.variant.name, m.version))
+    base = next((m.model.hub_id for m in manifests if m.model.hub_id), None)
     if base is None:
         return demo_card(manifests, repo_id)
     rows = "\n".join(_row(m) for m in manifests)
@@ -114,11 +116,11 @@ The artifacts contain the weights of `{base}` and are distributed under Apache-2
 """
 
 
-def demo_card(manifests: list[dict], repo_id: str) -> str:
+def demo_card(manifests: list[Manifest], repo_id: str) -> str:
     """The card of a repository of demo builds (the embedded tiny test model): it says what they are, and claims no
     base model."""
     rows = "\n".join(_row(m) for m in manifests)
-    names = sorted({m["model"]["name"] for m in manifests})
+    names = sorted({m.model.name for m in manifests})
     return f"""---
 license: apache-2.0
 library_name: neuronx-distributed

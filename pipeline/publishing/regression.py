@@ -12,6 +12,7 @@ load); other pairs are recorded as not comparable. The outcome, every row, is re
 
 from __future__ import annotations
 
+from pipeline.artifact.manifest import Manifest
 from pipeline.core.errors import PublishError
 
 
@@ -25,7 +26,7 @@ def _row(check: str, previous, current, limit, passed: bool) -> dict:
 
 
 def compare(previous: dict, current: dict, tolerances) -> dict:
-    """Rows comparing two validation summaries (``manifest["validation"]``), and the verdict."""
+    """Rows comparing two validation summaries (``Manifest.validation``), and the verdict."""
     prev_parity, cur_parity = previous["parity"], current["parity"]
     rows = [
         _row("parity passed", prev_parity["passed"], cur_parity["passed"], "must pass",
@@ -62,20 +63,21 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def gate(previous_manifest: dict | None, version: str, fingerprint: str, summary: dict, tolerances,
+def gate(previous: Manifest | None, version: str, fingerprint: str, summary: dict, tolerances,
          allow: bool) -> dict | None:
-    """The regression record for the manifest, or None when there is nothing to compare with.
+    """The regression record for the manifest, or None when there is nothing to compare with (``previous``: the
+    manifest the target's head holds for this variant).
 
     Raises ``PublishError`` with the table when the rebuild regressed and ``allow`` is off.
     """
-    if not previous_manifest or "validation" not in previous_manifest:
+    if previous is None or previous.validation is None:
         return None
-    if previous_manifest.get("fingerprint") == fingerprint:
+    if previous.fingerprint == fingerprint:
         # An earlier attempt of this very publish landed (its answer was lost): keep the record it made, so the
         # retry sends the same bytes and makes no second commit.
-        return previous_manifest.get("regression")
-    result = compare(previous_manifest["validation"], summary, tolerances)
-    record = {"against": previous_manifest.get("version"), "against_fingerprint": previous_manifest.get("fingerprint"),
+        return previous.regression
+    result = compare(previous.validation, summary, tolerances)
+    record = {"against": previous.version, "against_fingerprint": previous.fingerprint,
               **result, "allowed": bool(allow and not result["passed"])}
     if not result["passed"] and not allow:
         raise PublishError(f"{version} regressed against {record['against']}, the last published version of this "

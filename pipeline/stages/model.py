@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import CheckpointError, StaleInputError
-from pipeline.core.fsutil import atomic_write_json, sha256_file, staged_dir
+from pipeline.core.build_records import FileDigest, ModelRecord
+from pipeline.core.errors import CheckpointError, PipelineError, StaleInputError
+from pipeline.core.fsutil import sha256_file, staged_dir
 from pipeline.core.log import log
-from pipeline.core.records import code_digest, fingerprint, is_fresh, read_record, require_record
+from pipeline.core.records import code_digest, encode, fingerprint
 from pipeline.paths import Paths
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.spec import load_spec
@@ -78,51 +79,51 @@ def materialise(cfg: PipelineConfig, into: Path) -> None:
         download(m.hub_id, m.revision, m.allow_patterns, into)
 
 
-def file_digests(weights: Path) -> dict:
-    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(weights.iterdir())
-            if p.is_file()}
+def file_digests(weights: Path) -> dict[str, FileDigest]:
+    return {p.name: FileDigest(p.stat().st_size, sha256_file(p)) for p in sorted(weights.iterdir()) if p.is_file()}
 
 
-def describe(cfg: PipelineConfig, weights: Path, fp: str, files: dict | None = None) -> dict:
+def describe(cfg: PipelineConfig, weights: Path, fp: str, files: dict[str, FileDigest] | None = None) -> ModelRecord:
     """Check the checkpoint against its config.json and record what it is (``files``: its file_digests, when the
     caller has them already)."""
     spec = load_spec(weights)
     with Checkpoint(weights, cfg.model.text_prefix, cfg.model.head_key) as ckpt:
         ckpt.verify(spec)
     files = files or file_digests(weights)
-    return {
-        "fingerprint": fp,
-        "source_fingerprint": fingerprint(source(cfg)),
-        "name": cfg.model.name,
-        "source": identity(cfg)["source"],
-        "hub_id": cfg.model.hub_id,
-        "revision": cfg.model.revision,
-        "text_prefix": cfg.model.text_prefix,
-        "head_key": cfg.model.head_key,
-        "config_digest": files["config.json"]["sha256"],
-        "weights_digest": fingerprint({"files": files}),
-        "files": files,
-        "spec": spec.to_dict(),
-    }
+    return ModelRecord(
+        fingerprint=fp,
+        source_fingerprint=fingerprint(source(cfg)),
+        name=cfg.model.name,
+        source=identity(cfg)["source"],
+        hub_id=cfg.model.hub_id,
+        revision=cfg.model.revision,
+        text_prefix=cfg.model.text_prefix,
+        head_key=cfg.model.head_key,
+        config_digest=files["config.json"].sha256,
+        weights_digest=fingerprint({"files": encode(files)}),
+        files=files,
+        spec=spec.to_dict(),
+    )
 
 
-def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> dict | None:
+def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> dict[str, FileDigest] | None:
     """The file_digests of weights/ if it holds, unmodified, the files the last run recorded from the checkpoint
     source ``cfg`` names; else None."""
-    record = read_record(paths.model_record)
-    if not record or record.get("source_fingerprint") != fingerprint(source(cfg)) or not paths.weights.is_dir():
+    record = ModelRecord.read_if_valid(paths.model_record)
+    if not record or record.source_fingerprint != fingerprint(source(cfg)) or not paths.weights.is_dir():
         return None
     found = {p.name: p.stat().st_size for p in paths.weights.iterdir() if p.is_file()}
-    if found != {name: f["size"] for name, f in record.get("files", {}).items()}:
+    if found != {name: f.size for name, f in record.files.items()}:
         return None  # before hashing 16 GB
     files = file_digests(paths.weights)
-    return files if files == record["files"] else None
+    return files if files == record.files else None
 
 
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     fp = fingerprint(identity(cfg))
-    if not cfg.force and is_fresh(paths.model_record, fp, [paths.weights]):
+    recorded = ModelRecord.read_if_valid(paths.model_record)
+    if not cfg.force and recorded and recorded.fingerprint == fp and paths.weights.exists():
         log.info("model: %s is up to date (%s)", cfg.model.name, paths.weights)
         return StageResult("model", "skipped")
     started = time.monotonic()
@@ -137,16 +138,18 @@ def run(cfg: PipelineConfig) -> StageResult:
         with staged_dir(paths.weights) as tmp:
             materialise(cfg, tmp)
             record = describe(cfg, tmp, fp)
-    atomic_write_json(paths.model_record, record)
-    size = sum(f["size"] for f in record["files"].values())
-    log.info("model: %d files, %.1f MB, config %s", len(record["files"]), size / 1e6, record["config_digest"][:12])
+    record.write(paths.model_record)
+    size = sum(f.size for f in record.files.values())
+    log.info("model: %d files, %.1f MB, config %s", len(record.files), size / 1e6, record.config_digest[:12])
     return StageResult("model", "ran", time.monotonic() - started)
 
 
-def load(cfg: PipelineConfig) -> dict:
+def load(cfg: PipelineConfig) -> ModelRecord:
     """The model record, with the checkpoint it describes; refuses a missing or out-of-date one."""
     paths = Paths.of(cfg)
-    record = require_record(paths.model_record, "model", paths.weights)
-    if record.get("fingerprint") != fingerprint(identity(cfg)):
+    record = ModelRecord.read(paths.model_record)
+    if not paths.weights.is_dir():
+        raise PipelineError(f"{paths.weights} is missing: run stage=model force=true")
+    if record.fingerprint != fingerprint(identity(cfg)):
         raise StaleInputError(f"{paths.model_record} was made for another model configuration: run stage=model")
     return record

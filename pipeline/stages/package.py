@@ -14,13 +14,14 @@ import time
 
 from pipeline import __version__
 from pipeline.artifact import archive as archive_mod
-from pipeline.artifact import manifest as manifest_mod
 from pipeline.artifact import signing
+from pipeline.artifact.manifest import SCHEMA_VERSION, ArchiveFile, Manifest
 from pipeline.config import PipelineConfig
+from pipeline.core.build_records import Member
 from pipeline.core.errors import IntegrityError
 from pipeline.core.fsutil import reporting_full_disk, staged_dir
 from pipeline.core.log import log
-from pipeline.core.records import fingerprint, is_fresh
+from pipeline.core.records import fingerprint
 from pipeline.paths import Paths
 from pipeline.stages import StageResult, code_of
 from pipeline.stages import trace as trace_stage
@@ -44,49 +45,46 @@ def version_name(variant: str, compiler_id: str, inputs_digest: str, archive_for
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     build = trace_stage.load(cfg)
-    if "inputs_digest" not in build:
-        raise IntegrityError(f"{Paths.of(cfg).build_record} predates versions that name their inputs: rerun "
-                             "stage=trace")
-    version = version_name(cfg.variant.name, build["compiler"]["id"], build["inputs_digest"], cfg.package.format,
+    version = version_name(cfg.variant.name, build.compiler.id, build.inputs_digest, cfg.package.format,
                            bool(cfg.package.signing.private_key))
     root = f"{cfg.model.name}-{version}"
-    fp = fingerprint({"build": build["fingerprint"], "format": cfg.package.format, "root": root,
+    fp = fingerprint({"build": build.fingerprint, "format": cfg.package.format, "root": root,
                       "created_by": __version__, "signed": bool(cfg.package.signing.private_key),
                       "code": code_of("package")})
-    if not cfg.force and is_fresh(paths.manifest, fp):
-        manifest = manifest_mod.load(paths.manifest)
-        # Up to date only if it packs exactly the rank files the build records now.
-        if manifest["members"] == build["members"] and (paths.dist / manifest["archive"]["name"]).is_file():
-            log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
-            return StageResult("package", "skipped")
+    current = Manifest.read_if_valid(paths.manifest)
+    # Up to date only if it packs exactly the rank files the build records now.
+    if (not cfg.force and current and current.fingerprint == fp and current.members == build.members
+            and (paths.dist / current.archive.name).is_file()):
+        log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
+        return StageResult("package", "skipped")
     started = time.monotonic()
-    for member in build["members"]:  # the build directory must still be what the trace recorded
-        archive_mod.verify_file(paths.build / member["path"], member["size"], member["sha256"], "rank file")
+    for member in build.members:  # the build directory must still be what the trace recorded
+        archive_mod.verify_file(paths.build / member.path, member.size, member.sha256, "rank file")
     found = sorted(p.name for p in paths.build.iterdir())
-    if found != sorted(m["path"] for m in build["members"]):
-        recorded = [m["path"] for m in build["members"]]
+    recorded = [m.path for m in build.members]
+    if found != sorted(recorded):
         raise IntegrityError(f"{paths.build} holds {found}, the trace recorded {recorded}: "
                              "remove the stray files or rerun stage=trace force=true")
     with reporting_full_disk(paths.dist, "package"), staged_dir(paths.dist) as tmp:
         out = tmp / f"{root}{archive_mod.SUFFIX[cfg.package.format]}"
-        packed = archive_mod.pack(paths.build, [m["path"] for m in build["members"]], root, out, cfg.package.format,
-                                  cfg.package.threads)
-        if packed["members"] != build["members"]:
+        packed = archive_mod.pack(paths.build, recorded, root, out, cfg.package.format, cfg.package.threads)
+        members = tuple(Member(**m) for m in packed["members"])
+        if members != build.members:
             raise IntegrityError(f"{paths.build} changed while it was being packed: rerun stage=package")
-        manifest_mod.write(tmp / "manifest.json", {
-            "schema_version": manifest_mod.SCHEMA_VERSION,
-            "version": version,
-            "fingerprint": fp,
-            "model": build["model"] | {"name": cfg.model.name},
-            "variant": {k: build["variant"][k] for k in ("name", "kv_max", "bucket", "dtype", "prefill", "tp_degree")},
-            "backend": build["backend"],
-            "compiler": build["compiler"],
-            "toolchain": build["toolchain"],
-            "layout": build["layout"],
-            "members": packed["members"],
-            "archive": packed["archive"],
-            "created_by": f"gemma4-neuron-pipeline {__version__}",
-        })
+        Manifest(
+            schema_version=SCHEMA_VERSION,
+            version=version,
+            fingerprint=fp,
+            model=build.model,
+            variant=build.variant,
+            backend=build.backend,
+            compiler=build.compiler,
+            toolchain=build.toolchain,
+            layout=build.layout,
+            members=members,
+            archive=ArchiveFile(**packed["archive"]),
+            created_by=f"gemma4-neuron-pipeline {__version__}",
+        ).write(tmp / "manifest.json")
         if cfg.package.signing.private_key:
             signing.sign(tmp, out.name, cfg.package.signing.private_key)
     size_in = sum(m["size"] for m in packed["members"])
@@ -97,5 +95,5 @@ def run(cfg: PipelineConfig) -> StageResult:
     return StageResult("package", "ran", time.monotonic() - started)
 
 
-def load(cfg: PipelineConfig) -> dict:
-    return manifest_mod.load(Paths.of(cfg).manifest)
+def load(cfg: PipelineConfig) -> Manifest:
+    return Manifest.read(Paths.of(cfg).manifest)

@@ -23,13 +23,14 @@ import json
 import logging
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from filelock import FileLock
 
 from pipeline.artifact import signing
 from pipeline.artifact.archive import verify_file
-from pipeline.artifact.manifest import check as check_manifest
+from pipeline.artifact.manifest import Manifest
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import write_json_if_changed
@@ -53,22 +54,21 @@ def validation_summary(report: dict) -> dict:
             "throughput_floor": report["throughput_gate"]["floor"]}
 
 
-def demo_reasons(manifest: dict) -> list[str]:
+def demo_reasons(manifest: Manifest) -> list[str]:
     """Why a build is not the real model compiled for Inferentia (empty when it is)."""
     reasons = []
-    if not manifest["model"].get("hub_id"):
-        reasons.append(f"its model, {manifest['model']['name']!r}, is the embedded tiny test model, not a Hub "
-                       "checkpoint")
-    if manifest["backend"] != "neuron":
-        reasons.append(f"it was built by the {manifest['backend']} backend, not compiled for Inferentia")
+    if not manifest.model.hub_id:
+        reasons.append(f"its model, {manifest.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
+    if manifest.backend != "neuron":
+        reasons.append(f"it was built by the {manifest.backend} backend, not compiled for Inferentia")
     return reasons
 
 
-def require_real_or_allowed(manifest: dict, repo_id: str, allow_demo: bool) -> None:
+def require_real_or_allowed(manifest: Manifest, repo_id: str, allow_demo: bool) -> None:
     """The Hub gets real Inferentia builds, or demo builds only when asked for (publish.allow_demo)."""
     reasons = demo_reasons(manifest)
     if reasons and not allow_demo:
-        raise PublishError(f"refusing to publish {manifest['version']} to {repo_id}: " + "; ".join(reasons) + ". "
+        raise PublishError(f"refusing to publish {manifest.version} to {repo_id}: " + "; ".join(reasons) + ". "
                            "Build the real model on an inf2 host (model=gemma4_e4b backend=neuron), or set "
                            "publish.allow_demo=true to publish it as a demo build (its card says so). Nothing was "
                            "published")
@@ -102,17 +102,16 @@ def require_valid_tag(version: str) -> None:
                            "make it; nothing was published")
 
 
-def require_same_model(manifest: dict, published: list[dict], repo_id: str) -> None:
+def require_same_model(manifest: Manifest, published: list[Manifest], repo_id: str) -> None:
     """One repository, one model: the card names it, and every version must be a build of it."""
-    theirs = {m["model"].get("hub_id") for m in published}
-    if theirs and theirs != {manifest["model"].get("hub_id")}:
-        raise PublishError(f"{repo_id} holds builds of {sorted(map(str, theirs))}; {manifest['version']} is a build of "
-                           f"{manifest['model'].get('hub_id')!r}: publish it to another publish.repo_id. Nothing was "
-                           "published")
+    theirs = {m.model.hub_id for m in published}
+    if theirs and theirs != {manifest.model.hub_id}:
+        raise PublishError(f"{repo_id} holds builds of {sorted(map(str, theirs))}; {manifest.version} is a build of "
+                           f"{manifest.model.hub_id!r}: publish it to another publish.repo_id. Nothing was published")
 
 
-def require_validated(manifest: dict, report: dict, variant: str) -> None:
-    if report.get("archive_sha256") != manifest["archive"]["sha256"]:
+def require_validated(manifest: Manifest, report: dict, variant: str) -> None:
+    if report.get("archive_sha256") != manifest.archive.sha256:
         raise PublishError(f"{variant}: the validation on record is for another archive than dist/ holds: "
                            "run stage=validate")
     if "gates" not in report:
@@ -125,22 +124,27 @@ def require_validated(manifest: dict, report: dict, variant: str) -> None:
                            f"({', '.join(failed)} gate failed); see validation.json")
 
 
-def published_manifest(manifest: dict, summary: dict, regression: dict | None, signed: bool) -> dict:
+def published_manifest(manifest: Manifest, summary: dict, regression: dict | None, signed: bool) -> Manifest:
     """The manifest as published: with its validation summary, its regression comparison, and whether a signature
     (``manifest.sig``, over these very bytes) goes beside it."""
-    extra = ({"validation": summary} | ({"regression": regression} if regression else {})
-             | ({"signature": {"file": signing.SIGNATURE}} if signed else {}))
-    return check_manifest(manifest | extra)
+    final = replace(manifest, validation=summary, regression=regression or None,
+                    signature={"file": signing.SIGNATURE} if signed else None)
+    return Manifest.from_json(final.to_json(), f"the published manifest of {manifest.version}")
 
 
 def dump(obj) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def repo_files(variant: str, archive: Path, manifest: dict, metrics: dict, private_key: str | None) -> dict:
+def read_manifest(raw: bytes | None, where: str) -> Manifest | None:
+    """A manifest read from the target (None when there is none there)."""
+    return Manifest.from_json(json.loads(raw), where) if raw else None
+
+
+def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: dict, private_key: str | None) -> dict:
     """The version's files in the repo layout; the published manifest is signed again (it now carries the
     validation summary), so that pull can verify it."""
-    files = {f"{variant}/{archive.name}": archive, f"{variant}/manifest.json": dump(manifest),
+    files = {f"{variant}/{archive.name}": archive, f"{variant}/manifest.json": dump(manifest.to_json()),
              f"{variant}/metrics.json": dump(metrics)}
     if private_key:
         with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +159,7 @@ def folder_of(version: str, folders: set[str]) -> str | None:
     return max(matches, key=len) if matches else None
 
 
-def published_manifests(target, exclude: str) -> list[dict]:
+def published_manifests(target, exclude: str) -> list[Manifest]:
     """The manifest of every tagged version, read at its tag: the model card lists them all."""
     out = []
     for tag, commit in sorted(target.tags().items()):
@@ -164,23 +168,19 @@ def published_manifests(target, exclude: str) -> list[dict]:
         files = target.list_files(commit)
         folder = folder_of(tag, {f.split("/")[0] for f in files if f.endswith("/manifest.json")})
         raw = target.read(commit, f"{folder}/manifest.json") if folder else None
-        if raw:
-            manifest = json.loads(raw)
-            if manifest.get("version") == tag:
-                out.append(manifest)
+        manifest = read_manifest(raw, f"{folder}/manifest.json at tag {tag}")
+        if manifest and manifest.version == tag:
+            out.append(manifest)
     return out
 
 
-def same_build(theirs: dict, ours: dict) -> bool:
+def same_build(theirs: Manifest | None, ours: Manifest) -> bool:
     """The same rank files in the same archive format. Not the archive's sha256: the compressor's library version
     may pack the same files into other bytes, and the version names the files, not the compressor."""
-    def key(m: dict):
-        return m.get("members"), m.get("archive", {}).get("format")
-
-    return key(theirs) == key(ours)
+    return theirs is not None and (theirs.members, theirs.archive.format) == (ours.members, ours.archive.format)
 
 
-def publish_version(target, version: str, variant: str, prepare, ours: dict, repo_id: str, source: str) -> dict:
+def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str) -> dict:
     """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build).
 
     ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
@@ -190,8 +190,8 @@ def publish_version(target, version: str, variant: str, prepare, ours: dict, rep
     target.ensure()
     tags = target.tags()
     if version in tags:
-        raw = target.read(tags[version], f"{variant}/manifest.json")
-        theirs = json.loads(raw) if raw else {}
+        theirs = read_manifest(target.read(tags[version], f"{variant}/manifest.json"),
+                               f"{variant}/manifest.json at tag {version}")
         if same_build(theirs, ours):
             log.info("publish: %s is already published at %s (the same rank files): nothing to do", version,
                      tags[version][:12])
@@ -201,8 +201,8 @@ def publish_version(target, version: str, variant: str, prepare, ours: dict, rep
                            "something that decides them is missing from the version's inputs (stages/trace.py, "
                            "inputs_digest). A published version is never replaced; nothing was published")
     head = target.head()
-    raw = target.read(head, f"{variant}/manifest.json")
-    files, manifest = prepare(json.loads(raw) if raw else None)
+    files, manifest = prepare(read_manifest(target.read(head, f"{variant}/manifest.json"),
+                                            f"{variant}/manifest.json at the head"))
     others = published_manifests(target, version)
     require_same_model(manifest, others, repo_id)
     card = render(others + [manifest], repo_id, source).encode()
@@ -217,17 +217,17 @@ def run(cfg: PipelineConfig) -> StageResult:
     manifest = package_stage.load(cfg)
     metrics, report = validate_stage.load(cfg), validate_stage.load_report(cfg)
     require_validated(manifest, report, cfg.variant.name)
-    archive = paths.dist / manifest["archive"]["name"]
+    archive = paths.dist / manifest.archive.name
     sig = cfg.package.signing
     signing.check(paths.dist, archive.name, sig.verifying_key(), sig.allow_unsigned, f"the artifact in {paths.dist}")
-    verify_file(archive, manifest["archive"]["size"], manifest["archive"]["sha256"], "archive")
+    verify_file(archive, manifest.archive.size, manifest.archive.sha256, "archive")
     summary = validation_summary(report)
-    version = manifest["version"]
+    version = manifest.version
     require_valid_tag(version)
     pub = cfg.publish
 
-    def prepare(previous: dict | None) -> tuple[dict, dict]:
-        found = regression.gate(previous, version, manifest["fingerprint"], summary, pub.regression,
+    def prepare(previous: Manifest | None) -> tuple[dict, Manifest]:
+        found = regression.gate(previous, version, manifest.fingerprint, summary, pub.regression,
                                 pub.allow_regression)
         if found:
             log.log(logging.WARNING if found["allowed"] else logging.INFO, "publish: %s against %s: %s\n%s",
@@ -255,7 +255,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         where = pub.repo_id
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
         "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
-        "fingerprint": manifest["fingerprint"], "archive_sha256": manifest["archive"]["sha256"],
+        "fingerprint": manifest.fingerprint, "archive_sha256": manifest.archive.sha256,
     })
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
              "new commit" if result["created"] else "already there")

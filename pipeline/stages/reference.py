@@ -16,6 +16,7 @@ import torch
 
 from pipeline import __version__
 from pipeline.config import PipelineConfig
+from pipeline.core.build_records import ModelRecord
 from pipeline.core.errors import StaleInputError
 from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from pipeline.core.log import log, progress
@@ -47,9 +48,9 @@ def load_float_model(weights):
     return cls.from_pretrained(weights, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def expected_fingerprint(cfg: PipelineConfig, model_record: dict, prompts: list[dict]) -> str:
+def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts: list[dict]) -> str:
     return fingerprint({
-        "weights": model_record["weights_digest"],
+        "weights": model_record.weights_digest,
         "prompts": [p["input_ids"] for p in prompts],
         "max_new_tokens": cfg.validate.max_new_tokens,
         "top_k": TOP_K,
@@ -114,7 +115,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     atomic_write_bytes(paths.reference_tensors, save(tensors, metadata={"format": "pt"}))
     atomic_write_json(paths.reference, {
         "fingerprint": fp,
-        "model": {"name": cfg.model.name, "weights_digest": model_record["weights_digest"]},
+        "model": {"name": cfg.model.name, "weights_digest": model_record.weights_digest},
         "max_new_tokens": cfg.validate.max_new_tokens,
         "top_k": TOP_K,
         "prompts": entries,
@@ -134,7 +135,7 @@ def load(cfg: PipelineConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     record = require_record(paths.reference, "reference", paths.reference_tensors)
     model_record = model_stage.load(cfg)
     prompts = build_prompts(load_tokenizer(paths.weights), cfg.validate.prompts)
-    if record.get("model", {}).get("weights_digest") != model_record["weights_digest"]:
+    if record.get("model", {}).get("weights_digest") != model_record.weights_digest:
         raise StaleInputError(f"{paths.reference} is stale: it was made for other weights than {paths.weights}; "
                                "run stage=reference")
     if [p["input_ids"] for p in record.get("prompts", [])] != [p["input_ids"] for p in prompts] \

@@ -22,10 +22,11 @@ from pathlib import Path
 from pipeline.backends import get_backend, resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import StaleInputError
-from pipeline.core.fsutil import atomic_write_json, clean_stale_temps
+from pipeline.core.build_records import BuildRecord, Compiler, Member, ModelRecord, Variant
+from pipeline.core.errors import PipelineError, StaleInputError
+from pipeline.core.fsutil import clean_stale_temps
 from pipeline.core.log import log
-from pipeline.core.records import code_digest, fingerprint, read_record, require_record
+from pipeline.core.records import code_digest, fingerprint
 from pipeline.core.units import GIB
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
@@ -102,11 +103,11 @@ def compiler_env() -> dict:
     return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")}
 
 
-def build_settings(cfg: PipelineConfig, model_record: dict, backend: str) -> dict:
+def build_settings(cfg: PipelineConfig, model_record: ModelRecord, backend: str) -> dict:
     """What both digests below hash: the checkpoint, how it is read, the shape and how it is compiled (the variant's
     name does not count; its shape does)."""
     return {
-        "weights": model_record["weights_digest"],
+        "weights": model_record.weights_digest,
         "text_prefix": cfg.model.text_prefix,
         "head_key": cfg.model.head_key,
         "shape": asdict(cfg.variant.shape),
@@ -116,7 +117,7 @@ def build_settings(cfg: PipelineConfig, model_record: dict, backend: str) -> dic
     }
 
 
-def build_fingerprint(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
+def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
     """Everything that may change the rank files' bytes: rebuild when it changes."""
     return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain, "code": code_of("trace")})
 
@@ -133,7 +134,7 @@ BUILD_CODE = {
 BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
 
 
-def inputs_digest(cfg: PipelineConfig, model_record: dict, toolchain: dict, backend: str) -> str:
+def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
     """Digest of exactly what decides the rank files' bytes; the version names its start (package.version_name).
 
     Narrower than the build fingerprint, which also rebuilds on what only might change them (the host's Neuron system
@@ -148,12 +149,12 @@ def inputs_digest(cfg: PipelineConfig, model_record: dict, toolchain: dict, back
 
 
 def is_built(paths: Paths, fp: str) -> bool:
-    record = read_record(paths.build_record)
-    if not record or record.get("fingerprint") != fp or not paths.build.is_dir():
+    record = BuildRecord.read_if_valid(paths.build_record)
+    if not record or record.fingerprint != fp or not paths.build.is_dir():
         return False
     found = sorted(p.name for p in paths.build.iterdir())
-    return found == sorted(m["path"] for m in record["members"]) and all(
-        (paths.build / m["path"]).stat().st_size == m["size"] for m in record["members"])
+    return found == sorted(m.path for m in record.members) and all(
+        (paths.build / m.path).stat().st_size == m.size for m in record.members)
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -181,24 +182,22 @@ def run(cfg: PipelineConfig) -> StageResult:
     log.info("trace: %s on %s, tp_degree %d, kv_max %d, bucket %d, %s, %s prefill", cfg.variant.name, backend,
              req.shape.tp_degree, req.shape.kv_max, req.shape.bucket, req.shape.dtype, req.shape.prefill)
     traced = impl.trace(req, paths.build)
-    atomic_write_json(paths.build_record, {
-        "fingerprint": fp,
-        "inputs_digest": inputs_digest(cfg, model_record, toolchain, backend),
-        "variant": asdict(cfg.variant),
-        "backend": backend,
-        "layout": traced["layout"],
-        "compiler": {"id": compiler_id, "args": list(req.compiler_args),
-                     "versions": compiler_versions(toolchain)},
-        "toolchain": toolchain,
-        "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record(),
-                      "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                   "graph_peak_rss_bytes": traced["peak_rss_bytes"],
-                                   "written_bytes": sum(m["size"] for m in traced["members"])}},
-        "trace": traced,
-        "members": traced["members"],
-        "model": {"name": cfg.model.name, "hub_id": model_record["hub_id"], "revision": model_record["revision"],
-                  "config_digest": model_record["config_digest"], "weights_digest": model_record["weights_digest"]},
-    })
+    BuildRecord(
+        fingerprint=fp,
+        inputs_digest=inputs_digest(cfg, model_record, toolchain, backend),
+        variant=Variant(**asdict(cfg.variant)),
+        backend=backend,
+        layout=traced["layout"],
+        compiler=Compiler(compiler_id, req.compiler_args, compiler_versions(toolchain)),
+        toolchain=toolchain,
+        preflight={"need": need.record(), "host": host.record(), "estimate": est.record(),
+                   "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
+                                "graph_peak_rss_bytes": traced["peak_rss_bytes"],
+                                "written_bytes": sum(m["size"] for m in traced["members"])}},
+        trace=traced,
+        members=tuple(Member(**m) for m in traced["members"]),
+        model=model_record.identity,
+    ).write(paths.build_record)
     log.info("trace: %s built in %.1f s, peak RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
              traced["peak_rss_bytes"] / 1e9)
     return StageResult("trace", "ran", time.monotonic() - started)
@@ -212,6 +211,10 @@ def compiler_versions(toolchain: dict) -> dict:
     return versions
 
 
-def load(cfg: PipelineConfig) -> dict:
+def load(cfg: PipelineConfig) -> BuildRecord:
+    """The build record, with the rank directory it describes; refuses a missing or unreadable one."""
     paths = Paths.of(cfg)
-    return require_record(paths.build_record, "trace", paths.build)
+    record = BuildRecord.read(paths.build_record)
+    if not paths.build.is_dir():
+        raise PipelineError(f"{paths.build} is missing: rebuild with stage=trace force=true")
+    return record

@@ -33,12 +33,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.artifact import signing
+from pipeline.artifact.manifest import Manifest
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
 from pipeline.core.records import fingerprint, read_record, require_record
-from pipeline.core.shape import BuildShape
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -63,9 +63,9 @@ def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
                           f"{hardware} for this hardware")
 
 
-def metrics_fingerprint(cfg: PipelineConfig, manifest: dict, reference: dict, hardware: str) -> str:
+def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference: dict, hardware: str) -> str:
     return fingerprint({
-        "manifest": fingerprint(manifest),  # the whole manifest: members, variant, compiler, archive
+        "manifest": fingerprint(manifest.to_json()),  # the whole manifest: members, variant, compiler, archive
         "reference": reference["fingerprint"],
         "signing": {"public_key": cfg.package.signing.public_key, "private_key": cfg.package.signing.private_key,
                     "allow_unsigned": cfg.package.signing.allow_unsigned},
@@ -191,7 +191,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     manifest = package_stage.load(cfg)
     hardware = preflight.resolve_hardware(cfg.hardware.name)
-    require_floor(cfg, manifest["backend"], hardware)
+    require_floor(cfg, manifest.backend, hardware)
     reference, _ = reference_stage.load(cfg)
     fp = metrics_fingerprint(cfg, manifest, reference, hardware)
     previous = read_record(paths.validation_report)
@@ -199,21 +199,21 @@ def run(cfg: PipelineConfig) -> StageResult:
             and previous.get("gates", {}).get("passed")):
         log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
         return StageResult("validate", "skipped")
-    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    shape = manifest.shape
     chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
                                       cfg.validate.prompt_names)
-    backend = manifest["backend"]
+    backend = manifest.backend
     est = preflight.estimate(load_spec(paths.weights), shape, backend, cfg.model.resources.get(backend))
     need = preflight.validate_need(est.resources, backend, shape, est.describe())
     host = preflight.check(need, cfg.preflight)
     sig = cfg.package.signing
-    accepted = signing.check(paths.dist, manifest["archive"]["name"], sig.verifying_key(), sig.allow_unsigned,
+    accepted = signing.check(paths.dist, manifest.archive.name, sig.verifying_key(), sig.allow_unsigned,
                              f"the artifact in {paths.dist}")
     log.info("validate: %s signature %s", cfg.variant.name, accepted)
     started = time.monotonic()
     job = {
-        "manifest": manifest,
-        "archive": str((paths.dist / manifest["archive"]["name"]).resolve()),
+        "manifest": manifest.to_json(),
+        "archive": str((paths.dist / manifest.archive.name).resolve()),
         "reference": reference,
         "reference_tensors": str(paths.reference_tensors.resolve()),
         "prompts": chosen,
@@ -225,11 +225,11 @@ def run(cfg: PipelineConfig) -> StageResult:
         "workdir": str((paths.variant_dir / "validate").resolve()),
         "warmup_prompts": cfg.validate.warmup_prompts,
     }
-    log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest["version"],
+    log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest.version,
              [reference["prompts"][i]["name"] for i in chosen])
     with contextlib.ExitStack() as held:
         env = None
-        if manifest["backend"] == "neuron":  # the validation process gets its own NeuronCores, held until it ends
+        if manifest.backend == "neuron":  # the validation process gets its own NeuronCores, held until it ends
             from pipeline.backends.neuron import core_lease
 
             lease = core_lease(shape.tp_degree, cfg.backend.visible_cores, f"validating {cfg.variant.name}",
@@ -237,13 +237,13 @@ def run(cfg: PipelineConfig) -> StageResult:
             held.callback(lease.release)
             env = lease.env()
         measured = run_fresh(job, host, need, env)
-    gate = throughput_gate(cfg, manifest["backend"], hardware, shape.prefill, measured["throughput"])
+    gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())
     atomic_write_json(paths.metrics, headline(measured))
     atomic_write_json(paths.validation_report, {  # the record, written last: its fingerprint says all is written
-        "fingerprint": fp, "version": manifest["version"], "archive_sha256": manifest["archive"]["sha256"],
-        "backend": manifest["backend"], "hardware": hardware, "coverage": coverage, "signature": accepted,
+        "fingerprint": fp, "version": manifest.version, "archive_sha256": manifest.archive.sha256,
+        "backend": manifest.backend, "hardware": hardware, "coverage": coverage, "signature": accepted,
         "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record(),
                       "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
                                    "validation_peak_rss_mb": measured["peak_rss_mb"]}},
@@ -261,7 +261,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         for name, c in sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])])
     log.info("validate: %s parity (%s):\n%s", cfg.variant.name, measured["parity"]["mode"],
              parity_table(measured["report"]))
-    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest["backend"], hardware,
+    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest.backend, hardware,
              throughput_table(measured["contexts"], gate))
     if not gates["parity"]:
         par = measured["parity"]

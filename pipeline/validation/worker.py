@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from pipeline.artifact.archive import extract_verified
-from pipeline.artifact.manifest import check as check_manifest
+from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
 from pipeline.core.fsutil import atomic_write_json, sha256_file, temp_dir_beside
@@ -243,8 +243,8 @@ def run_job(job: dict) -> dict:
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = check_manifest(job["manifest"], "manifest")
-    shape = BuildShape(**{k: manifest["variant"][k] for k in ("kv_max", "bucket", "dtype", "prefill", "tp_degree")})
+    manifest = Manifest.from_json(job["manifest"], "the validation job's manifest")
+    shape = manifest.shape
     reference = job["reference"]
     parity = _namespace(job["parity"])
     mode = getattr(parity, shape.dtype)
@@ -264,7 +264,7 @@ def run_job(job: dict) -> dict:
         spec = load_spec(job["weights"])
         with Checkpoint(job["weights"], job["text_prefix"], job["head_key"]) as ckpt:
             host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
-            with get_backend(manifest["backend"]).load(ranks, shape) as runner:
+            with get_backend(manifest.backend).load(ranks, shape) as runner:
                 loaded = time.monotonic()
                 log.info("validate: archive verified and unpacked in %.1f s, ranks loaded in %.1f s",
                          unpacked - started, loaded - unpacked)

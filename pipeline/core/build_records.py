@@ -1,0 +1,134 @@
+"""The records the build stages hand on, typed: ``model.json`` (written by the model stage, read by trace and reference)
+and ``build.json`` (written by trace, read by package and ``neuron-check``), and the parts of them the manifest
+(pipeline/artifact/manifest.py) repeats.
+
+Each is read and written through its class only (``Record.read`` / ``write``, pipeline/core/records.py): a record with
+a missing, unknown or wrong-typed key is refused, naming the file, the key and the stage to run again. On disk a record
+is exactly its fields as JSON, keys sorted.
+
+They live in core, beside the shape, so that the stages writing and reading them and the manifest can all import them;
+like the rest of core they are plumbing to the stage fingerprints (pipeline/stages, CODE): a schema change does not
+rebuild anything by itself, but a record an older release wrote and this one cannot read is not trusted as up to date
+(``Record.read_if_valid``), so its stage runs again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.core.records import Record
+from pipeline.core.shape import BuildShape
+
+
+@dataclass(frozen=True)
+class Member:
+    """A rank file: its name in the build directory (and under the archive's root), its size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The variant a build was made for: its name and the fields that decide what is traced."""
+
+    name: str
+    kv_max: int
+    bucket: int
+    dtype: str
+    prefill: str
+    tp_degree: int
+
+    @property
+    def shape(self) -> BuildShape:
+        return BuildShape(self.kv_max, self.bucket, self.dtype, self.prefill, self.tp_degree)
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """The compiler a build was made with: its id (the version's middle part), exact arguments and package versions
+    (null for a package that is not installed)."""
+
+    id: str
+    args: tuple[str, ...]
+    versions: dict[str, str | None]
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The checkpoint a build was made from (``hub_id`` and ``revision`` are null for the embedded tiny model)."""
+
+    name: str
+    hub_id: str | None
+    revision: str | None
+    config_digest: str
+    weights_digest: str
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ModelRecord(Record):
+    """``model.json``: the checkpoint in ``weights/``, where it came from, and the fingerprint downstream stages build
+    on."""
+
+    KIND = "model record"
+    MAKE = "run stage=model first"
+    FIX = "It was written by another release of the pipeline, or edited: run stage=model force=true"
+
+    fingerprint: str
+    source_fingerprint: str
+    """The checkpoint source's alone (not the code's): the same files, recorded again by changed code, are not
+    fetched again."""
+    name: str
+    source: str
+    hub_id: str | None
+    revision: str | None
+    text_prefix: str
+    head_key: str
+    config_digest: str
+    weights_digest: str
+    files: dict[str, FileDigest]
+    """Every file of ``weights/`` by name."""
+    spec: dict[str, Any]
+    """The model's shape as the recipe reads it (recipe.spec.ModelSpec.to_dict)."""
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.name, self.hub_id, self.revision, self.config_digest, self.weights_digest)
+
+
+@dataclass(frozen=True)
+class BuildRecord(Record):
+    """``build.json``: what the trace built, from what and how, and each rank file's checksum."""
+
+    KIND = "build record"
+    MAKE = "run stage=trace first"
+    FIX = "It was written by another release of the pipeline, or edited: rebuild with stage=trace force=true"
+
+    fingerprint: str
+    inputs_digest: str
+    """What decides the rank files' bytes (stages/trace.py, inputs_digest): the version's last part starts from it."""
+    variant: Variant
+    backend: str
+    layout: str
+    """``per_rank`` (one ``tp_N.pt`` per rank) or ``nxd_model`` (one ``model.pt``)."""
+    compiler: Compiler
+    toolchain: dict[str, Any]
+    """The toolchain record the build was made with (artifacts/toolchain.json)."""
+    preflight: dict[str, Any]
+    """What the host was checked for and what it offered (host.preflight's records)."""
+    trace: dict[str, Any]
+    """The backend's account of the trace: API, times, peak RSS per rank."""
+    members: tuple[Member, ...]
+    model: ModelIdentity
+
+    @property
+    def shape(self) -> BuildShape:
+        return self.variant.shape
