@@ -1,11 +1,23 @@
-"""Fingerprints: key order never matters, values always do; the code digest ignores comments and formatting."""
+"""Fingerprints: key order never matters, values always do; the code digest ignores comments and formatting. The
+typed records (model.json, build.json, the manifest) read back to exactly the JSON on disk, and a record this release
+cannot read is refused naming the file, the key and the fix, or rebuilt where a stage would have trusted it."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
+import pytest
+
+from pipeline.artifact.manifest import Manifest
 from pipeline.core import records
+from pipeline.core.build_records import BuildRecord, ModelRecord
+from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.records import code_digest, fingerprint
+from pipeline.paths import Paths
+
+from .helpers import config, run
 
 
 def test_fingerprint_ignores_key_order_and_sees_values():
@@ -31,8 +43,6 @@ def test_a_change_to_the_model_stages_code_checks_the_same_checkpoint_again_with
     checkpoint again: the files on disk, still exactly what was recorded, are checked and recorded again."""
     from pipeline.stages import model as model_stage
 
-    from .helpers import config, run
-
     cfg = config(tmp_path, variant=None)
     run(cfg, "model")
     before = json.loads((tmp_path / cfg.model.name / "model.json").read_text())
@@ -50,3 +60,153 @@ def test_a_change_to_the_model_stages_code_checks_the_same_checkpoint_again_with
     assert len(fetched) == 1
     again = json.loads((tmp_path / cfg.model.name / "model.json").read_text())
     assert again["weights_digest"] == before["weights_digest"]
+
+
+# -- typed records ----------------------------------------------------------------------------------------------------
+
+RECORDS = [(ModelRecord, "model_record"), (BuildRecord, "build_record"), (Manifest, "manifest")]
+# The keys each stage wrote before the records were typed: published manifests and existing builds have exactly these.
+KEYS = {
+    ModelRecord: {"fingerprint", "source_fingerprint", "name", "source", "hub_id", "revision", "text_prefix",
+                  "head_key", "config_digest", "weights_digest", "files", "spec"},
+    BuildRecord: {"fingerprint", "inputs_digest", "variant", "backend", "layout", "compiler", "toolchain", "preflight",
+                  "trace", "members", "model"},
+    Manifest: {"schema_version", "version", "fingerprint", "model", "variant", "backend", "compiler", "toolchain",
+               "layout", "members", "archive", "created_by"},
+}
+
+
+@pytest.fixture(scope="module")
+def packaged(tmp_path_factory) -> Path:
+    """One variant of the tiny model, built and packaged (its three records written by their stages)."""
+    root = tmp_path_factory.mktemp("records") / "artifacts"
+    cfg = config(root)
+    for stage in ("toolchain", "model", "trace", "package"):
+        run(cfg, stage)
+    return root
+
+
+def copy_of(packaged: Path, dst: Path) -> Path:
+    shutil.copytree(packaged, dst, ignore=shutil.ignore_patterns("logs"))
+    return dst
+
+
+def edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("cls", "where"), RECORDS)
+def test_a_record_reads_back_to_its_json_and_writes_the_same_bytes(packaged, tmp_path, cls, where):
+    """What a stage wrote is what the record holds, key for key (fingerprints hash it: validate hashes the whole
+    manifest), and writing it again gives the same bytes: a published manifest survives pull's rewrite."""
+    path = getattr(Paths.of(config(packaged)), where)
+    record = cls.read(path)
+    assert set(json.loads(path.read_text())) == KEYS[cls]
+    assert record.to_json() == json.loads(path.read_text())
+    record.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+    assert cls.read(tmp_path / "again.json") == record
+
+
+def test_a_manifest_published_before_the_records_were_typed_reads_and_writes_back_byte_for_byte(tmp_path):
+    """A published manifest as publish wrote it (validation summary and signature, no regression): pull reads it
+    and writes it beside the rank directory, and generate reads that copy."""
+    published = {
+        "schema_version": 1, "version": "512_bf16-ncc2.23.6484.0-1f0c9a7e", "fingerprint": "a" * 64,
+        "model": {"name": "gemma4_e4b", "hub_id": "google/gemma-4-E4B-it", "revision": "0" * 40,
+                  "config_digest": "b" * 64, "weights_digest": "c" * 64},
+        "variant": {"name": "512_bf16", "kv_max": 512, "bucket": 128, "dtype": "bf16", "prefill": "device",
+                    "tp_degree": 2},
+        "backend": "neuron",
+        "compiler": {"id": "ncc2.23.6484.0", "args": ["--auto-cast=none", "-O1"],
+                     "versions": {"torch": "2.8.0", "neuronx-cc": "2.23.6484.0+f702b353", "libneuronxla": None}},
+        "toolchain": {"schema_version": 2, "backend": "neuron", "system_packages": {}},
+        "layout": "nxd_model", "members": [{"path": "model.pt", "size": 123456, "sha256": "d" * 64}],
+        "archive": {"name": "gemma4_e4b-512_bf16.tar.zst", "format": "tar.zst", "size": 100000, "sha256": "e" * 64,
+                    "root": "gemma4_e4b-512_bf16-ncc2.23.6484.0-1f0c9a7e"},
+        "created_by": "gemma4-neuron-pipeline 0.1.0",
+        "validation": {"parity": {"mode": "logits", "passed": True, "prompts": 2, "prompts_matched": 2,
+                                  "teacher_forced_match": 0.9712, "max_abs_dlogit": 0.5},
+                       "throughput": {"tokens_per_s": 36.5, "ttft_ms": 120}, "backend": "neuron",
+                       "hardware": "inf2_8xlarge", "throughput_floor": None},
+        "signature": {"file": "manifest.sig"},
+    }
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(published, indent=2, sort_keys=True) + "\n")  # publish's dump
+    manifest = Manifest.read(path)
+    assert manifest.shape.tp_degree == 2 and manifest.regression is None and manifest.compiler.args[1] == "-O1"
+    manifest.write(tmp_path / "beside.json")
+    assert (tmp_path / "beside.json").read_bytes() == path.read_bytes()
+
+
+def test_the_build_record_and_the_manifest_give_the_variants_shape(packaged):
+    cfg = config(packaged)
+    paths = Paths.of(cfg)
+    build, manifest = BuildRecord.read(paths.build_record), Manifest.read(paths.manifest)
+    assert build.shape == manifest.shape == cfg.variant.shape
+    assert manifest.members == build.members and manifest.model == ModelRecord.read(paths.model_record).identity
+
+
+def _drop(key):
+    return lambda data: data.pop(key)
+
+
+@pytest.mark.parametrize(("cls", "where", "edit", "problem"), [
+    (BuildRecord, "build_record", _drop("inputs_digest"), r"missing field inputs_digest"),
+    (BuildRecord, "build_record", lambda d: d["variant"].update(tp_degree="2"),
+     r"field variant\.tp_degree has the wrong type \(str; expected int\)"),
+    (BuildRecord, "build_record", lambda d: d["members"][0].update(size=True),
+     r"field members\[0\]\.size has the wrong type \(bool; expected int\)"),
+    (ModelRecord, "model_record", lambda d: d.update(weights="all of them"), r"unknown field weights"),
+    (ModelRecord, "model_record", lambda d: d["files"]["config.json"].pop("sha256"),
+     r"missing field files\.config\.json\.sha256"),
+    (Manifest, "manifest", lambda d: d.update(schema_version=2), r"schema_version 2 is not 1"),
+    (Manifest, "manifest", lambda d: d.update(signature="yes"), r"field signature has the wrong type \(str"),
+])
+def test_a_reader_refuses_a_broken_record_naming_the_file_the_key_and_the_fix(packaged, tmp_path, cls, where, edit,
+                                                                              problem):
+    path = getattr(Paths.of(config(packaged)), where)
+    broken = tmp_path / path.name
+    shutil.copy(path, broken)
+    edit_json(broken, edit)
+    error = IntegrityError if cls is Manifest else PipelineError
+    fix = {ModelRecord: "run stage=model force=true", BuildRecord: "rebuild with stage=trace force=true",
+           Manifest: "made again by stage=package force=true"}[cls]
+    with pytest.raises(error, match=rf"(?s){broken} is not a valid {cls.KIND}:\n  - {problem}.*{fix}"):
+        cls.read(broken)
+
+
+def test_a_stage_reading_a_broken_record_says_which_stage_to_run_again(packaged, tmp_path):
+    cfg = config(copy_of(packaged, tmp_path / "artifacts"), "force=true")
+    paths = Paths.of(cfg)
+    edit_json(paths.build_record, _drop("model"))
+    with pytest.raises(PipelineError, match=rf"(?s){paths.build_record} is not a valid build record:\n"
+                                            r"  - missing field model\n.*rebuild with stage=trace force=true"):
+        run(cfg, "package")
+    paths.model_record.unlink()
+    with pytest.raises(PipelineError, match=rf"no model record at {paths.model_record}: run stage=model first"):
+        run(cfg, "trace")
+
+
+def test_a_build_record_this_release_cannot_read_is_rebuilt_not_trusted(packaged, tmp_path):
+    """Its fingerprint still matches and its rank files are there: only reading it whole shows it is not this
+    release's record, and the trace runs again instead of handing package a record it would refuse."""
+    cfg = config(copy_of(packaged, tmp_path / "artifacts"))
+    paths = Paths.of(cfg)
+    assert run(cfg, "trace")[0].status == "skipped"
+    edit_json(paths.build_record, _drop("inputs_digest"))
+    assert run(cfg, "trace")[0].status == "ran"
+    assert BuildRecord.read(paths.build_record).inputs_digest
+    assert run(cfg, "package")[0].status == "skipped"  # the same rank files: the package is still up to date
+
+
+def test_a_record_the_reader_would_refuse_is_never_written(tmp_path, packaged):
+    from dataclasses import replace
+
+    build = BuildRecord.read(Paths.of(config(packaged)).build_record)
+    with pytest.raises(PipelineError, match=r"not written\) is not a valid build record:\n  - field backend has the "
+                                            r"wrong type \(NoneType; expected str\)"):
+        replace(build, backend=None).write(tmp_path / "build.json")
+    assert not (tmp_path / "build.json").exists()
