@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from pipeline.artifact.manifest import Manifest
+from pipeline.core.build_records import ModelRecord
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import sha256_file
 from pipeline.host.preflight import resolve_hardware
@@ -38,7 +39,7 @@ from pipeline.stages import reference as reference_stage
 from pipeline.stages import trace as trace_stage
 from pipeline.stages import validate as validate_stage
 
-from .helpers import FAST_VALIDATE, config, run
+from .helpers import FAST_VALIDATE, a_manifest, config, run
 from .test_config import composed
 from .test_dvc import checkout_copy, dvc, quicker_validation
 
@@ -351,9 +352,11 @@ def test_invalid_overrides_never_start_work_and_name_each_key(bad, order, tmp_pa
     assert not artifacts.exists()
 
 
-MODEL_RECORD = {"weights_digest": "w" * 64}
+MODEL_RECORD = ModelRecord(fingerprint="m" * 64, source_fingerprint="s" * 64, name="gemma4_tiny", source="tiny",
+                           hub_id=None, revision=None, text_prefix="model.", head_key="lm_head.weight",
+                           config_digest="c" * 64, weights_digest="w" * 64, files={}, spec={})
 TOOLCHAIN = {"backend": "cpu", "packages": {"torch": {"version": "2.13.0"}}}
-MANIFEST = {"archive": {"sha256": "a" * 64}}
+MANIFEST = a_manifest()
 REFERENCE = {"fingerprint": "r" * 64}
 
 
