@@ -37,7 +37,7 @@ class ArchiveFile:
 @dataclass(frozen=True)
 class Manifest(Record):
     KIND = "manifest"
-    MAKE = "run stage=package first (a pulled version's manifest is written beside it by pull)"
+    MAKE = "run the package stage first"
     FIX = ("Nothing it describes was touched. A manifest in dist/ is made again by stage=package force=true; a "
            "published one is read by the release of the pipeline that published it.")
     ERROR = IntegrityError
