@@ -37,6 +37,27 @@ def test_code_digest_is_semantic(tmp_path, monkeypatch):
     assert code_digest("m.py") != base
 
 
+def test_every_stages_code_is_read_from_the_installed_package():
+    """The code tables name paths under pipeline/ (the real one, not a test's copy): each stage's digest covers real
+    source, and a path that names nothing is refused rather than hashed as nothing (after the package moved into
+    layers, PACKAGE_DIR pointed at pipeline/core and every stage's code hashed as empty: no edit rebuilt anything)."""
+    import hashlib
+
+    from pipeline import stages
+    from pipeline.core.versions import PYPROJECT
+    from pipeline.stages.trace import BUILD_CODE
+
+    assert records.PACKAGE_DIR == Path(stages.__file__).resolve().parents[1]
+    empty = hashlib.sha256().hexdigest()
+    for stage in stages.CODE:
+        assert stages.code_of(stage) != empty, stage
+    assert all((records.PACKAGE_DIR / rel).exists() for rels in [*stages.CODE.values(), *BUILD_CODE.values()]
+               for rel in rels)
+    assert PYPROJECT.is_file()
+    with pytest.raises(FileNotFoundError, match="no Python source"):
+        code_digest("no_such_module.py")
+
+
 def test_a_change_to_the_model_stages_code_checks_the_same_checkpoint_again_without_fetching_it(tmp_path,
                                                                                                  monkeypatch):
     """The model stage's code is in its fingerprint (pipeline.stages.CODE), but a code change must not fetch a 16 GB

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 from pipeline.core.errors import PipelineError
 from pipeline.core.fsutil import atomic_write_json, canonical_json, read_json, sha256_bytes
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/: the code tables name paths under it
 
 
 def fingerprint(parts: dict[str, Any]) -> str:
@@ -53,6 +53,8 @@ def code_digest(*relative: str) -> str:
     for rel in relative:
         root = PACKAGE_DIR / rel
         files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        if not files:  # a path that moved would otherwise hash as nothing, and no code change would rebuild
+            raise FileNotFoundError(f"code_digest: no Python source at {root}")
         for path in files:
             digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
             digest.update(_semantic_source(path).encode() + b"\0")

@@ -23,7 +23,7 @@ from pipeline.core.errors import ConfigError
 
 DISTRIBUTION = "gemma4-neuron-pipeline"
 CHECKED = ("torch", "transformers")
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"  # this file is pipeline/core/versions.py
 
 
 def declared() -> list[Requirement]:

@@ -49,9 +49,10 @@ STAGES = (  # in the order they run
     Stage("model", "model", None, ("stages/model.py", "models", "recipe/spec.py", "recipe/checkpoint.py")),
     Stage("reference", "model", None, ("stages/reference.py", "validation/prompts.py", "validation/parity.py",
                                        "models/texts.py", "recipe/spec.py")),
-    Stage("trace", "variant", "build", ("stages/trace.py", "recipe", "backends")),
+    Stage("trace", "variant", "build", ("stages/trace.py", "core/shape.py", "recipe", "backends")),
     Stage("package", "variant", "build", ("stages/package.py", "artifact")),
-    Stage("validate", "variant", "validate", ("stages/validate.py", "validation", "artifact", "recipe", "backends")),
+    Stage("validate", "variant", "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact", "recipe",
+                                              "backends")),
     Stage("publish", "variant", "publish", ("stages/publish.py", "publishing", "artifact")),
 )
 BY_NAME = {s.name: s for s in STAGES}

@@ -126,8 +126,8 @@ def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain:
 # of CODE["trace"] (any backend's code, as dvc.yaml does), so an edit anywhere there rebuilds; only an edit here can
 # make other bytes, and so a new version.
 BUILD_CODE = {
-    "cpu": ("recipe", "backends/base.py", "backends/torchscript.py", "backends/cpu.py"),
-    "neuron": ("recipe", "backends/base.py", "backends/torchscript.py", "backends/neuron.py",
+    "cpu": ("core/shape.py", "recipe", "backends/base.py", "backends/torchscript.py", "backends/cpu.py"),
+    "neuron": ("core/shape.py", "recipe", "backends/base.py", "backends/torchscript.py", "backends/neuron.py",
                "backends/neuron_rank.py"),
 }
 # The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not).
