@@ -30,8 +30,10 @@ def version_of(root: Path, variant: str = "512_fp32") -> str:
     return read_json(Paths(root, "gemma4_tiny", variant).manifest)["version"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hub():
+    """A Hub of its own per test: what one test publishes is never what another finds (each passes alone, in any
+    subset and in any order: `pytest --reverse`)."""
     server = Hub().start()
     yield server
     server.stop()

@@ -38,7 +38,7 @@ def source(cfg: PipelineConfig) -> dict:
     if m.source == "tiny":
         from dataclasses import asdict
 
-        return {"source": "tiny", "tiny": asdict(m.tiny), "generator": code_digest("tiny_model.py", "texts.py")}
+        return {"source": "tiny", "tiny": asdict(m.tiny), "generator": code_digest("models")}
     return {"source": "hub", "hub_id": m.hub_id, "revision": m.revision, "allow_patterns": list(m.allow_patterns)}
 
 
