@@ -4,6 +4,7 @@ one); choices are enums that hash and write as the plain strings they stand for.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -182,7 +183,7 @@ def test_choices_hash_and_write_as_the_plain_strings_they_stand_for():
     cfg = load_config(composed(["+variant=512_bf16_host", "backend=neuron"]), "512_bf16_host")
     written = yaml.safe_load((CONF / "variant" / "512_bf16_host.yaml").read_text())
     assert json.loads(json.dumps(asdict(cfg.variant))) == written  # build.json's "variant", as the conf file says
-    settings = trace.build_settings(cfg, {"weights_digest": "w" * 64}, cfg.backend.name)
+    settings = trace.build_settings(cfg, SimpleNamespace(weights_digest="w" * 64), cfg.backend.name)
     validate = {"parity": asdict(cfg.validate.parity), "throughput": asdict(cfg.validate.throughput)}
     assert fingerprint(settings) == fingerprint(plain(settings))
     assert fingerprint(validate) == fingerprint(plain(validate))
