@@ -62,7 +62,9 @@ def test_validation_shows_its_progress_in_the_stages_log(built):
     """The validation process's lines (one per prompt, one per context length) are in the command's standard error
     and in the run's log file, in the one format every command uses."""
     root, first = built
-    assert first.stdout == ""  # results and logs apart: every log line goes to standard error
+    # Results and logs apart: every log line goes to standard error. torch 2.8's gloo (the production pin) prints its
+    # connection lines to standard output from C++, below any Python logging: those are not ours.
+    assert [line for line in first.stdout.splitlines() if not line.startswith("[Gloo] ")] == []
     assert first.stderr and all(LINE.match(line) or line.startswith(" ") for line in first.stderr.splitlines())
     judged = [p["prompt"] for p in json.loads((root / "gemma4_tiny" / VARIANT / "validation.json").read_text())[
         "prompts"]]

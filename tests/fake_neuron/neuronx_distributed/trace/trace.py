@@ -175,7 +175,7 @@ def _join_or_stop_all(procs) -> None:
                     other.terminate()
                 for other in pending:
                     other.join()
-                pending = []
+                return  # every rank has ended (two failing at once must not be removed twice)
 
 
 def parallel_model_save(model: ParallelModel, save_dir: str) -> None:
