@@ -24,7 +24,7 @@ VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_c
                  tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
 VERSION_SLOW_TESTS := tests/test_reproducible.py
 
-.PHONY: demo test test-full test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
+.PHONY: demo test test-full test-slow test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,11 +75,15 @@ constraints: $(VENV)/.installed
 	rm -f .production-input.txt
 
 # The production path rehearsed (tests/test_rehearsal.py): deploy/rebuild.sh on a checkout set up for release (E4B's
-# checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote); with the other
-# production-path checks too slow for `make test`: the same bytes from two checkouts, DVC through a compiler upgrade.
-# About 5 minutes.
+# checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote). About 4 minutes.
 test-rehearsal: $(VENV)/.installed
-	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py tests/test_reproducible.py tests/test_dvc.py
+	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py
+
+# Every test marked slow: the rehearsal, and the checks that take a minute or more each (the same bytes from two
+# checkouts, DVC through a compiler upgrade, interrupted traces, rebuilds compared with what was published).
+# `make test` plus `make test-slow` is `make test-full`; CI runs them as two steps.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow -p no:cacheprovider
 
 test-full: $(VENV)/.installed
 	$(PY) -m pytest -q -m ""

@@ -65,7 +65,7 @@ def builds(tiny_dir, tmp_path_factory):
     return get
 
 
-# tp_degree 2 is what ships; tp_degree 1 (also run by the neuron stand-in's end-to-end tests) only in `make test-full`.
+# tp_degree 2 is what ships; tp_degree 1 (also run by the neuron stand-in's end-to-end tests) only in `make test-slow`.
 @pytest.mark.parametrize(("tp", "prefill"), [pytest.param(1, "device", marks=pytest.mark.slow), (2, "device"),
                                              pytest.param(1, "host", marks=pytest.mark.slow), (2, "host")])
 def test_fp32_ranks_match_transformers_token_for_token(builds, tiny_dir, prompts, hf_reference, tp, prefill):

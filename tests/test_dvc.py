@@ -209,6 +209,7 @@ def test_dvc_push_and_pull_restore_the_artifacts_from_a_remote(repo, tmp_path):
     assert not re.search(r"^(reference|trace@|package@|validate@)", status, re.M), status
 
 
+@pytest.mark.slow  # a minute on 2 cores: `make test-slow` (and `.ci/run`) runs it
 def test_a_direct_run_then_dvc_repro_rebuilds_nothing(tmp_path):
     """A direct run first (here the cluster recipe's Hydra sweep, docs/scale.md "Across hosts", with the joblib launcher
     standing in for Slurm's: two variants at once in the checkout), then `dvc repro`: DVC runs each stage's command
@@ -277,7 +278,7 @@ def neuron_repo(tmp_path_factory) -> Path:
                          backend="neuron")
 
 
-@pytest.mark.slow  # `make test-rehearsal`; the rehearsal checks the same on the production settings
+@pytest.mark.slow  # `make test-slow`; the rehearsal checks the same on the production settings
 def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing_else(neuron_repo, tmp_path):
     site = tmp_path / "neuron-sdk"
     first = dvc(neuron_repo, "repro", env=neuron_env(site, UPGRADE[0]))

@@ -73,6 +73,7 @@ def _tags(root: Path) -> list[str]:
     return subprocess.run(["git", "tag"], cwd=root / "published", capture_output=True, text=True).stdout.split()
 
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     cfg = config(tmp_path, *FAST_VALIDATE, "publish.regression.throughput_backends=[cpu,neuron]")
     run(cfg)
@@ -119,6 +120,7 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     assert Path(pulled.stdout.strip()).name == f"gemma4_tiny-{second}"
 
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_a_rebuild_that_makes_the_same_rank_files_is_the_same_version_and_publishes_nothing(tmp_path, monkeypatch):
     """What rebuilds without changing the rank files (the host's Neuron driver packages, simulated in the toolchain
     record; another compressor library packing the same files into other bytes, simulated by the zstd level) names

@@ -36,7 +36,7 @@ from .hubserver import Hub
 from .test_dvc import checkout_copy, ran
 from .test_upgrades import neuron_index
 
-pytestmark = pytest.mark.slow  # minutes: `make test-rehearsal` (and `.ci/run`) runs it
+pytestmark = pytest.mark.slow  # minutes: `make test-rehearsal` and `make test-slow` (`.ci/run`) run it
 
 REPO = Path(__file__).resolve().parent.parent
 REPO_ID = "tester/gemma-4-E4B-it-inferentia2"

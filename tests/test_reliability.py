@@ -103,6 +103,7 @@ def process_report(pid: int) -> str:
 
 # -- interrupted traces -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_interrupted_traces_leave_nothing_and_the_rerun_succeeds(tmp_path):
     """Four interruptions of `dvc repro trace@512_fp32` while both ranks have written their files under the staging
     name: Ctrl-C (SIGINT to the process group), the OOM killer's SIGKILL of one rank, SIGKILL of the stage process,
@@ -263,6 +264,7 @@ def test_two_publishes_of_one_variant_at_once_make_one_commit(built, tmp_path):
     assert sorted("(already there)" in out for out in outs) == [False, True], outs
 
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_two_dvc_repros_at_once_one_refused_nothing_corrupted(tmp_path):
     repo = checkout_copy(tmp_path / "repo", [VARIANT], quicker_validation)
     dvc(repo, "repro", "model")
@@ -283,6 +285,7 @@ def test_two_dvc_repros_at_once_one_refused_nothing_corrupted(tmp_path):
 
 # -- TorchScript is loaded only after verification ------------------------------------------------------------------
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_torchscript_is_loaded_only_from_verified_files(built, tmp_path):
     """Every torch.jit.load, in every process, is audited: each file loaded is a verified extraction whose sha256 the
     manifest records; a tampered archive is refused with no load at all."""
