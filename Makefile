@@ -24,7 +24,7 @@ VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_c
                  tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py
 VERSION_SLOW_TESTS := tests/test_reproducible.py
 
-.PHONY: demo test test-full test-slow test-rehearsal test-production test-lowest constraints lint dvc-demo clean-artifacts
+.PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest constraints lint dvc-demo clean-artifacts
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,7 @@ test: $(VENV)/.installed
 $(VENV_PRODUCTION)/.installed: pyproject.toml constraints-production.txt
 	$(PYTHON) -m venv $(VENV_PRODUCTION)
 	$(VENV_PRODUCTION)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_PRODUCTION)/bin/python -m pip install --quiet -e '.[dev]' -c constraints-production.txt
+	$(VENV_PRODUCTION)/bin/python -m pip install --quiet -e '.[dev,xla]' -c constraints-production.txt
 	touch $@
 
 $(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
@@ -58,6 +58,11 @@ test-production: $(VENV_PRODUCTION)/.installed
 	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
 	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
 
+# backend=xla (tests/test_xla.py): the recipe's graphs lowered by torch-xla 2.8 on its CPU device, checked, and run
+# through validate. torch-xla needs the production pins' torch 2.8, so it lives in that environment ([xla] extra).
+test-xla: $(VENV_PRODUCTION)/.installed
+	REQUIRE_TORCH_XLA=1 $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider tests/test_xla.py
+
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
 	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
@@ -67,7 +72,7 @@ constraints: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
 	$(PY) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
 		print('\n'.join(r for r in x['neuron'] if r.startswith(('torch==', 'transformers=='))))" > .production-input.txt
-	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra xla --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --constraint .production-input.txt \
 		--no-emit-package gemma4-neuron-pipeline -o constraints-production.txt
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --resolution lowest-direct --python-version 3.11 \

@@ -46,6 +46,7 @@ class Backend(StrEnum):
 
     cpu = "cpu"
     neuron = "neuron"
+    xla = "xla"
 
 
 # backend.name: a Backend, or auto (neuron when NeuronCores and the Neuron packages are present, else cpu).
@@ -188,7 +189,8 @@ class VariantConfig:
 @dataclass
 class BackendConfig:
     name: BackendChoice = BackendChoice.auto
-    """``cpu``, ``neuron``, or ``auto`` (neuron when NeuronCores and the Neuron packages are present)."""
+    """``cpu``, ``neuron``, ``xla`` (torch-xla's CPU device; the ``[xla]`` extra), or ``auto`` (neuron when
+    NeuronCores and the Neuron packages are present, else cpu)."""
     compiler_args: dict[Dtype, list[str]] = field(default_factory=dict)
     """neuronx-cc arguments per variant dtype (recorded in the manifest)."""
     compiler_workdir: str | None = None

@@ -76,6 +76,17 @@ def compose(overrides: list[str], variant: str | None = None):
         return load_config(hydra_compose(config_name="config", overrides=overrides), variant)
 
 
+def check_backend(cfg, validates: bool) -> None:
+    """What the backend can tell before any stage runs: its packages, and whether it can run this variant's build
+    (backend=xla runs tp_degree 1 only), so a run that would fail at validate does not trace and package first."""
+    from pipeline.backends import get_backend, resolve
+
+    backend = get_backend(resolve(cfg.backend.name))
+    backend.check_installed()
+    if validates:
+        backend.check_load(cfg.variant.shape)
+
+
 def run_pipeline(cfg) -> list:
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError
@@ -87,6 +98,8 @@ def run_pipeline(cfg) -> list:
         names = ", ".join(available_variants(CONF_DIR))
         raise ConfigError(f"stage {cfg.stage!r} builds one variant: add +variant=NAME (one of {names}), or "
                           f"--multirun '+variant=glob(*)' for all of them")
+    if cfg.variant is not None and {"trace", "validate"} & set(stages):
+        check_backend(cfg, "validate" in stages)
     results = []
     started = time.monotonic()
     for name in stages:

@@ -72,7 +72,7 @@ def test_params_yaml_lists_only_existing_variants():
     ("validate.parity.bf16=fuzzy", "validate.parity.bf16='fuzzy' is not one of ['exact', 'teacher_forced', 'logits']"),
     ("validate.parity.logits.divergence_tol=-1", "validate.parity.logits.divergence_tol=-1.0 must not be negative"),
     ("validate.parity.logits.tol_map.top5=[0.0,-0.1]", "tol_map.top5=[0.0, -0.1] must be [atol, rtol], both >= 0"),
-    ("backend.name=tpu", "backend.name='tpu' is not one of ['auto', 'cpu', 'neuron']"),
+    ("backend.name=tpu", "backend.name='tpu' is not one of ['auto', 'cpu', 'neuron', 'xla']"),
     ("publish.repo_id='not a repo'", "publish.repo_id='not a repo' must look like"),
     ("stage=compile", "stage='compile' is not one of"),
     ("validate.max_new_tokens=0", "validate.max_new_tokens=0 must be at least 1"),
@@ -83,7 +83,7 @@ def test_params_yaml_lists_only_existing_variants():
     ("validate.throughput.contexts=[short,full]",
      "validate.throughput.contexts[1]='full' is not one of ['short', 'half', 'near_max']"),
     ("publish.regression.throughput_backends=[gpu]",
-     "publish.regression.throughput_backends[0]='gpu' is not one of ['cpu', 'neuron']"),
+     "publish.regression.throughput_backends[0]='gpu' is not one of ['cpu', 'neuron', 'xla']"),
     ("validate.throughput.floors.neuron.inf2_xlarge.tokens_per_s=fast",  # two levels down: OmegaConf leaves it
      "validate.throughput.floors.neuron.inf2_xlarge.tokens_per_s: Value 'fast' of type 'str' could not be converted"),
     ("validate.throughput.floors.cpu.any.tokens_per_s=0", "validate.throughput.floors.cpu.any.tokens_per_s=0 must be "

@@ -44,8 +44,8 @@ def test_every_stages_code_is_read_from_the_installed_package():
     import hashlib
 
     from pipeline import stages
+    from pipeline.backends.build_code import BUILD_CODE
     from pipeline.core.versions import PYPROJECT
-    from pipeline.stages.trace import BUILD_CODE
 
     assert records.PACKAGE_DIR == Path(stages.__file__).resolve().parents[1]
     empty = hashlib.sha256().hexdigest()
@@ -56,6 +56,20 @@ def test_every_stages_code_is_read_from_the_installed_package():
     assert PYPROJECT.is_file()
     with pytest.raises(FileNotFoundError, match="no Python source"):
         code_digest("no_such_module.py")
+
+
+def test_every_backend_has_its_build_code_packages_factors_and_implementation():
+    """The backend names are config.Backend's; every per-backend table has exactly those keys, and each name loads."""
+    from pipeline.backends import get_backend
+    from pipeline.backends.build_code import BUILD_CODE
+    from pipeline.config import Backend
+    from pipeline.core.choices import values
+    from pipeline.host.preflight import FACTORS
+    from pipeline.stages.trace import BUILD_PACKAGES
+
+    names = set(values(Backend))
+    assert set(BUILD_CODE) == set(BUILD_PACKAGES) == set(FACTORS) == names
+    assert {get_backend(name).name for name in names} == names
 
 
 def test_a_change_to_the_model_stages_code_checks_the_same_checkpoint_again_without_fetching_it(tmp_path,

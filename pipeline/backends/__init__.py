@@ -1,4 +1,5 @@
-"""Backends turn the recipe into per-rank artifacts and load them back: ``cpu`` everywhere, ``neuron`` on inf2."""
+"""Backends turn the recipe into per-rank artifacts and load them back: ``cpu`` everywhere, ``neuron`` on inf2, ``xla``
+(the graphs neuronx-cc would receive, lowered by torch-xla on its CPU device) where the ``[xla]`` extra is installed."""
 
 from __future__ import annotations
 
@@ -38,4 +39,8 @@ def get_backend(name: str):
         from pipeline.backends.neuron import NeuronBackend
 
         return NeuronBackend()
+    if name == "xla":
+        from pipeline.backends.xla import XlaBackend
+
+        return XlaBackend()
     raise ValueError(f"unknown backend {name!r}")

@@ -78,6 +78,12 @@ class Backend(Protocol):
         """Refuse, before anything is written, what this backend cannot build (its packages, the variant, the
         checkpoint)."""
 
+    def check_installed(self) -> None:
+        """Refuse, before any stage runs, a backend whose packages are missing (where that is cheap to tell)."""
+
+    def check_load(self, shape: BuildShape) -> None:
+        """Refuse, before an archive is unpacked, a build of ``shape`` this backend cannot run."""
+
     def trace(self, request: TraceRequest, out_dir: Path) -> dict:
         """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
 

@@ -119,6 +119,25 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
+
+    def step(entry: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return getattr(module, entry)(*inputs)
+
+    def seed(values: list[torch.Tensor]) -> None:
+        for buf, value in zip(caches, values, strict=True):
+            buf.copy_(value)
+
+    def reset() -> None:
+        for buf in caches:
+            buf.zero_()
+
+    serve_commands(conn, rank, step, seed, reset)
+
+
+def serve_commands(conn, rank: int, step, seed, reset) -> None:
+    """A loaded rank's side of the runner's protocol, until it says close: ``step(entry, inputs) -> (logits,
+    token)``, ``seed(caches)``, ``reset()``. Rank 0 sends its outputs back; every rank its time inside the graph."""
     conn.send(("ready", {"rank": rank, "peak_rss_bytes": peak_rss_bytes()}))
     while True:
         command, payload = conn.recv()
@@ -126,17 +145,14 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
             entry, packed = payload
             inputs = [unpack(p) for p in packed]
             started = time.perf_counter()
-            with torch.no_grad():
-                logits, token = getattr(module, entry)(*inputs)
+            logits, token = step(entry, inputs)
             elapsed = time.perf_counter() - started
             conn.send(("ok", (pack(logits), pack(token), elapsed) if rank == 0 else elapsed))
         elif command == "seed":
-            for buf, packed in zip(caches, payload, strict=True):
-                buf.copy_(unpack(packed))
+            seed([unpack(p) for p in payload])
             conn.send(("ok", None))
         elif command == "reset":
-            for buf in caches:
-                buf.zero_()
+            reset()
             conn.send(("ok", None))
         elif command == "stats":
             conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes()}))
@@ -155,18 +171,23 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> N
         else:
             _serve_rank(rank, job[1], conn)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        # A PipelineError already says what to do (no traceback). The parent may be gone (interrupted): no report.
-        report = str(exc)
-        if not isinstance(exc, PipelineError):
-            report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        with contextlib.suppress(OSError):
-            conn.send(("error", report))
+        report_failure(conn, exc)
     finally:
         if tp_degree > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def report_failure(conn, exc: BaseException) -> None:
+    """Send a rank's failure to the parent, which raises it. A PipelineError already says what to do (no traceback);
+    the parent may be gone (interrupted): then no report."""
+    report = str(exc)
+    if not isinstance(exc, PipelineError):
+        report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    with contextlib.suppress(OSError):
+        conn.send(("error", report))
 
 
 def spawn_context():
@@ -184,10 +205,11 @@ def spawn_context():
 class RankGroup:
     """``tp_degree`` spawned rank processes and a pipe to each. Any rank's failure stops them all.
 
-    ``request`` (when tracing) carries the preflight's memory figures, quoted if a rank is killed.
+    ``request`` (when tracing) carries the preflight's memory figures, quoted if a rank is killed. ``target`` is each
+    process's main, called as ``target(rank, tp_degree, init_file, job, conn)``.
     """
 
-    def __init__(self, tp_degree: int, job: tuple, request: TraceRequest | None = None):
+    def __init__(self, tp_degree: int, job: tuple, request: TraceRequest | None = None, target=None):
         self.tp_degree = tp_degree
         self.request = request
         self._rendezvous = tempfile.mkdtemp(prefix="gemma4-gloo-")
@@ -195,7 +217,7 @@ class RankGroup:
         self.conns, self.procs = [], []
         for rank in range(tp_degree):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+            proc = ctx.Process(target=target or _rank_main, name=f"rank{rank}", daemon=True,
                                args=(rank, tp_degree, os.path.join(self._rendezvous, "init"), job, child))
             proc.start()
             child.close()
@@ -265,6 +287,37 @@ def describe_exit(rank: int, code: int | None, request: TraceRequest | None = No
     return f"rank {rank} exited unexpectedly with code {code}"
 
 
+def trace_in_processes(processes: int, request: TraceRequest, out_dir: Path, members: list[str],
+                       target=None) -> list[dict]:
+    """Run the trace job in ``processes`` spawned processes (``target``: their main) into a staging directory,
+    renamed to ``out_dir`` only once every one succeeded and exactly ``members`` were written. Returns the rank
+    records, in rank order (a process may report several ranks)."""
+    with staged_dir(out_dir) as tmp:
+        group = RankGroup(processes, ("trace", request, str(tmp)), request, target=target)
+        try:
+            replies = group.receive_all()
+        except BaseException:
+            group.terminate()  # at once: an interrupted or failed trace must not wait for its ranks
+            raise
+        group.join()
+        found = sorted(p.name for p in tmp.iterdir())
+        if found != sorted(members):
+            raise BuildError(f"trace wrote {found}, expected exactly {members}")
+    return [rank for reply in replies for rank in (reply if isinstance(reply, list) else [reply])]
+
+
+def trace_record(ranks: list[dict], shape: BuildShape, started: float) -> dict:
+    """The part of build.json's ``trace`` every per-rank backend writes."""
+    return {
+        "members": [{"path": r["file"], "size": r["size"], "sha256": r["sha256"]} for r in ranks],
+        "layout": "per_rank",
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "ranks": ranks,
+        "wall_s": round(time.monotonic() - started, 3),
+        "entries": list(shape.entries),
+    }
+
+
 # -- the backend --------------------------------------------------------------------------------------------------
 
 class CpuBackend:
@@ -281,47 +334,36 @@ class CpuBackend:
         """Every refusal that needs no tracing, before anything is written."""
         check_request(request)
 
+    def check_installed(self) -> None:
+        """torch is all it needs."""
+
+    def check_load(self, shape: BuildShape) -> None:
+        """Every shape a cpu build was traced for runs."""
+
     def compiler_info(self) -> dict:
         return {"compiler": "torch.jit.trace", "torch": torch.__version__, "python": platform.python_version()}
 
     def trace(self, request: TraceRequest, out_dir: Path) -> dict:
-        shape = request.shape
         check_request(request)
         started = time.monotonic()
-        with staged_dir(Path(out_dir)) as tmp:
-            group = RankGroup(shape.tp_degree, ("trace", request, str(tmp)), request)
-            try:
-                ranks = group.receive_all()
-            except BaseException:
-                group.terminate()  # at once: an interrupted or failed trace must not wait for its ranks
-                raise
-            group.join()
-            found = sorted(p.name for p in tmp.iterdir())
-            if found != sorted(self.members(shape)):
-                raise BuildError(f"trace wrote {found}, expected exactly {self.members(shape)}")
-        return {
-            "members": [{"path": r["file"], "size": r["size"], "sha256": r["sha256"]} for r in ranks],
-            "layout": "per_rank",
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
-            "ranks": ranks,
-            "wall_s": round(time.monotonic() - started, 3),
-            "entries": list(shape.entries),
-            "group_name": GROUP_NAME,
-            **self.compiler_info(),
-        }
+        ranks = trace_in_processes(request.shape.tp_degree, request, Path(out_dir), self.members(request.shape))
+        return trace_record(ranks, request.shape, started) | {"group_name": GROUP_NAME, **self.compiler_info()}
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> CpuRunner:
         return CpuRunner(require_verified(build), shape)
 
 
 class CpuRunner(RankRunner):
-    def __init__(self, build: VerifiedBuild, shape: BuildShape):
+    """Rank processes driven over pipes. ``target`` and ``job`` are another backend's process main and its job (the
+    xla backend's one process speaks the same commands)."""
+
+    def __init__(self, build: VerifiedBuild, shape: BuildShape, target=None, job: tuple | None = None):
         self.shape = shape
         started = time.monotonic()
         if sorted(m["path"] for m in build.members) != sorted(rank_members(shape.tp_degree)):
             raise IntegrityError(f"{build.directory} holds {[m['path'] for m in build.members]}, a tp_degree "
                                  f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
-        self.group = RankGroup(shape.tp_degree, ("serve", build))
+        self.group = RankGroup(shape.tp_degree, job or ("serve", build), target=target)
         self.ready = self.group.receive_all(timeout=600)
         self.load_s = time.monotonic() - started
         self.compute_s: list[float] = []  # rank 0's time inside the graph, per call

@@ -261,6 +261,12 @@ class NeuronBackend:
                              "then run stage=toolchain")
         return "ncc" + version
 
+    def check_installed(self) -> None:
+        """The Neuron packages are checked at trace, with their SDK release (``check``)."""
+
+    def check_load(self, shape: BuildShape) -> None:
+        """Every shape a neuron build was compiled for runs (its NeuronCores are leased when it loads)."""
+
     def check(self, request: TraceRequest) -> None:
         """Every refusal that needs no compile, before anything is written."""
         problems = shape_problems(request.shape)

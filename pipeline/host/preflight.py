@@ -384,7 +384,16 @@ NEURON = Factors(
     disk_fixed_gb=CPU.disk_fixed_gb,
     disk_per_byte=(120 - CPU.disk_fixed_gb) / E4B_BF16_RANKS_GB,
 )
-FACTORS = {"cpu": CPU, "neuron": NEURON}
+
+# xla: the cpu backend's figures, plus torch-xla's runtime in the one process that lowers the ranks (one after the
+# other) and a second copy of a rank's weights on the XLA device (its CPU client holds its own buffers). Measured on
+# the tiny model only, from build.json and validation.json: the trace's rank process 1.02 GiB, the validation's rank
+# process 1.00 GiB (torch 2.8 and torch-xla imported), a third added; the per-byte factors are the cpu backend's plus
+# one copy, not measured.
+XLA_FIXED_GB = 1.4
+XLA = replace(CPU, graph_fixed_gb=XLA_FIXED_GB, graph_per_byte=CPU.graph_per_byte + 1.0, load_rank_gb=XLA_FIXED_GB,
+              validate_per_byte=CPU.validate_per_byte + 1.0)
+FACTORS = {"cpu": CPU, "neuron": NEURON, "xla": XLA}
 
 
 def derive(weights: WeightBytes, backend: str) -> ResourceNeed:
@@ -435,9 +444,9 @@ def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_par
     """What tracing one variant needs: the tracing process plus every graph compiled at the same time (``basis``:
     where the figures come from, quoted in refusals).
 
-    cpu: every rank traces at once. neuron, host prefill: ``parallel_model_trace`` compiles ``max_parallel`` ranks at
-    once (all when 0). neuron, device prefill: ModelBuilder compiles one SPMD graph per entry point (prefill, decode),
-    concurrently, whatever ``max_parallel`` says.
+    cpu: every rank traces at once. xla: one rank at a time. neuron, host prefill: ``parallel_model_trace`` compiles
+    ``max_parallel`` ranks at once (all when 0). neuron, device prefill: ModelBuilder compiles one SPMD graph per
+    entry point (prefill, decode), concurrently, whatever ``max_parallel`` says.
     """
     cores = shape.tp_degree if backend == "neuron" else 0
     what = f"tracing {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}" + (
@@ -448,6 +457,8 @@ def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_par
         graphs = min(shape.tp_degree, max_parallel) if max_parallel else shape.tp_degree
         one = resources.trace_base_gb + resources.trace_per_graph_gb
         hint = f"or compile one rank at a time with backend.max_parallel=1 (needs {one:.0f} GiB)" if graphs > 1 else ""
+    elif backend == "xla":
+        graphs, hint = 1, ""  # one process lowers the ranks one after the other
     else:
         graphs, hint = shape.tp_degree, ""
     memory = resources.trace_base_gb + graphs * resources.trace_per_graph_gb

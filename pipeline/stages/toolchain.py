@@ -1,9 +1,10 @@
 """Stage 1, toolchain: record the installed compiler and runtime versions.
 
 Writes ``artifacts/toolchain.json``: the resolved backend; the versions of the Python packages that shape a build
-(torch, transformers, safetensors, neuronx-cc, torch-neuronx, neuronx-distributed, libneuronxla); neuronx-cc's full
-version with its build hash (``neuronxcc.__version__``, else ``neuronx-cc --version``), which is what the Neuron
-compile cache keys on; and the Neuron runtime and driver system packages (``aws-neuronx-*``, from dpkg or rpm).
+(torch, transformers, safetensors, neuronx-cc, torch-neuronx, neuronx-distributed, libneuronxla, torch-xla);
+neuronx-cc's full version with its build hash (``neuronxcc.__version__``, else ``neuronx-cc --version``), which is
+what the Neuron compile cache keys on; and the Neuron runtime and driver system packages (``aws-neuronx-*``, from dpkg
+or rpm).
 Anything absent is recorded as absent (null). Host hardware (how many Neuron devices) is deliberately not here: it
 does not change what is compiled, and the preflight records it per build.
 
@@ -31,7 +32,7 @@ from pipeline.stages import StageResult
 
 SCHEMA_VERSION = 2
 PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx", "neuronx-distributed",
-            "libneuronxla")
+            "libneuronxla", "torch-xla")
 SYSTEM_PACKAGE_PATTERN = "aws-neuronx-*"  # driver (aws-neuronx-dkms), runtime, collectives, tools
 NCC_VERSION_RE = re.compile(r"NeuronX Compiler version\s+(\S+)")
 TOOL_TIMEOUT_S = 60

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.backends import get_backend, resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
+from pipeline.backends.build_code import BUILD_CODE
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import BuildRecord, Compiler, Member, ModelRecord, Variant
 from pipeline.core.errors import PipelineError, StaleInputError
@@ -122,16 +123,14 @@ def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain:
     return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain, "code": code_of("trace")})
 
 
-# The code that makes a backend's rank files: what the version's inputs digest hashes. The build fingerprint hashes all
-# of CODE["trace"] (any backend's code, as dvc.yaml does), so an edit anywhere there rebuilds; only an edit here can
-# make other bytes, and so a new version.
-BUILD_CODE = {
-    "cpu": ("core/shape.py", "recipe", "backends/base.py", "backends/torchscript.py", "backends/cpu.py"),
-    "neuron": ("core/shape.py", "recipe", "backends/base.py", "backends/torchscript.py", "backends/neuron.py",
-               "backends/neuron_rank.py"),
-}
-# The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not).
-BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
+# BUILD_CODE (pipeline/backends/build_code.py): the code that makes a backend's rank files, what the version's inputs
+# digest hashes. The build fingerprint hashes all of CODE["trace"] (any backend's code, as dvc.yaml does), so an edit
+# anywhere there rebuilds; only an edit in BUILD_CODE can make other bytes, and so a new version.
+# The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not), per
+# backend. cpu keeps the tuple it was published with (the Neuron names are null there): a new tuple would rename every
+# published cpu version without changing a byte.
+NEURON_BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
+BUILD_PACKAGES = {"cpu": NEURON_BUILD_PACKAGES, "neuron": NEURON_BUILD_PACKAGES, "xla": ("torch", "torch-xla")}
 
 
 def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
@@ -143,7 +142,7 @@ def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dic
     """
     versions = compiler_versions(toolchain)
     return fingerprint(build_settings(cfg, model_record, backend) | {
-        "packages": {name: versions.get(name) for name in BUILD_PACKAGES},
+        "packages": {name: versions.get(name) for name in BUILD_PACKAGES[backend]},
         "code": code_digest(*BUILD_CODE[backend]),
     })
 

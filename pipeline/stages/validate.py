@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
+from pipeline.backends import get_backend
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
@@ -203,6 +204,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
                                       cfg.validate.prompt_names)
     backend = manifest.backend
+    get_backend(backend).check_load(shape)  # before the preflight, the signature and the archive
     est = preflight.estimate(load_spec(paths.weights), shape, backend, cfg.model.resources.get(backend))
     need = preflight.validate_need(est.resources, backend, shape, est.describe())
     host = preflight.check(need, cfg.preflight)
