@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.artifact.archive import VerifiedBuild
 from pipeline.backends import hlo
 from pipeline.backends.base import example_inputs
 from pipeline.backends.build_code import BUILD_CODE
@@ -307,8 +308,12 @@ def configs(checkpoint_dir: Path) -> dict[str, str]:
 
 # -- load -------------------------------------------------------------------------------------------------------------
 
-def read_rank(path: Path) -> dict:
-    saved = torch.load(path, weights_only=True)  # tensors, strings and numbers only: no code runs
+def read_rank(build: VerifiedBuild, rank: int) -> dict:
+    """A rank file of a verified build: checked against the manifest and unchanged since, then read as tensors,
+    strings and numbers only (no code runs)."""
+    build.recheck()
+    path = build.directory / f"tp_{rank}.pt"
+    saved = torch.load(path, weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != RANK_FORMAT:
         raise IntegrityError(f"{path} is not a rank file of backend=xla ({RANK_FORMAT}): rebuild it with stage=trace")
     return saved
@@ -320,12 +325,12 @@ class LoadedRank:
     graph parameters). Each entry point is lowered on its first call and checked against the graph the trace
     recorded before it runs."""
 
-    def __init__(self, path: Path, shape: BuildShape):
+    def __init__(self, saved: dict, shape: BuildShape):
+        """``saved``: what ``read_rank`` read from a verified build."""
         from pipeline.recipe.spec import spec_from_config
 
-        saved = read_rank(path)
         if saved.get("code") != build_code_digest():
-            raise IntegrityError(f"{path.name} was built by other code than this checkout's (backend=xla's build "
+            raise IntegrityError("this rank file was built by other code than this checkout's (backend=xla's build "
                                  "code digest differs): run it with the pipeline version that built it, or rebuild "
                                  "it with stage=trace")
         spec = spec_from_config(*(json.loads(saved["config"].get(name, "{}")) for name in CONFIG_FILES))
@@ -362,8 +367,7 @@ def serve(build, shape: BuildShape, conn) -> None:
     """Load the build's one rank and answer the runner (the cpu backend's protocol) until it says close."""
     from pipeline.backends.cpu import serve_commands
 
-    build.recheck()  # only files verified against the manifest, unchanged since
-    rank = LoadedRank(build.directory / "tp_0.pt", shape)
+    rank = LoadedRank(read_rank(build, 0), shape)
     serve_commands(conn, 0, rank.step, rank.seed, rank.reset)
 
 
