@@ -33,6 +33,8 @@ from pipeline.backends.base import RankRunner, TraceRequest, check_request, exam
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.errors import BuildError, IntegrityError, PipelineError
 from pipeline.core.fsutil import reporting_full_disk, sha256_file, staged_dir
+from pipeline.core.log import relay_output
+from pipeline.core.log import setup as setup_logging
 from pipeline.core.shape import BuildShape, rank_members
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 
@@ -163,6 +165,8 @@ def serve_commands(conn, rank: int, step, seed, reset) -> None:
 
 def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> None:
     die_with_parent(parent=mp.parent_process().pid)  # never outlive a parent killed with SIGKILL
+    setup_logging()
+    relay_output(f"pipeline.rank{rank}")  # gloo prints its connection lines on the command's standard output
     try:
         torch.set_num_threads(_threads_per_rank(tp_degree))
         _init_group(rank, tp_degree, init_file)

@@ -215,7 +215,9 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
     """
     from pipeline.host.preflight import oom_message
 
-    proc = subprocess.Popen(argv, start_new_session=True, env=env, cwd=cwd)
+    # Its standard output to standard error: the command's standard output is for its results, and the compiler
+    # and gloo print there. Raw, not relayed (core/log.relay_output): a compiler's message must not need DEBUG.
+    proc = subprocess.Popen(argv, start_new_session=True, env=env, cwd=cwd, stdout=2)
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:

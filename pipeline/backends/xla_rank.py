@@ -377,9 +377,12 @@ def main(rank: int, processes: int, init_file: str, job: tuple, conn) -> None:
     import multiprocessing as mp
 
     from pipeline.backends.cpu import report_failure
+    from pipeline.core.log import relay_output, setup
     from pipeline.host.procinfo import die_with_parent
 
     die_with_parent(parent=mp.parent_process().pid)  # never outlive a parent killed with SIGKILL
+    setup()
+    relay_output("pipeline.xla_ranks")  # the command's standard output is for its results
     try:
         kind, first, second = job
         shape = first.shape if kind == "trace" else second

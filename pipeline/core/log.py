@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -104,6 +105,30 @@ def relay(lines: Iterable[str], tail: deque[str], source: str) -> None:
         elif line.strip():
             logging.getLogger(source).info("%s", line)
             tail.append(line)
+
+
+def relay_output(name: str) -> None:
+    """Log what this process writes to its standard output, line by line, as DEBUG records of logger ``name``.
+
+    For rank processes, which inherit the command's standard output (its results) and hold libraries that print
+    there from C++, below Python's logging: torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks..."
+    once per rank, and two ranks' lines arrived interleaved character by character (CI). File descriptor 1 becomes
+    a pipe that a daemon thread reads: each rank's lines stay whole, in the one format, shown with
+    ``PIPELINE_LOG_LEVEL=DEBUG``. What is printed in the instant before the process exits may be lost.
+    """
+    sys.stdout.flush()
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+    logger = logging.getLogger(name)
+
+    def pump() -> None:
+        with open(read_end, errors="replace") as printed:
+            for line in printed:
+                if line.strip():
+                    logger.debug("%s", line.rstrip("\n"))
+
+    threading.Thread(target=pump, name="stdout-relay", daemon=True).start()
 
 
 def interactive() -> bool:
