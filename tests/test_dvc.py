@@ -18,6 +18,7 @@ import yaml
 from pipeline.core.fsutil import sha256_file
 
 from . import fake_sdk
+from .helpers import stand_in_floors
 
 REPO = Path(__file__).resolve().parent.parent
 COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]
@@ -264,6 +265,7 @@ def stand_in_variants(dst: Path) -> None:
     quicker_validation(dst)
     validate = yaml.safe_load((dst / "conf" / "validate" / "default.yaml").read_text())
     validate["throughput"].update(contexts=["short"], decode_tokens=4)
+    stand_in_floors(validate)
     (dst / "conf" / "validate" / "default.yaml").write_text(yaml.safe_dump(validate))
     # Timings of a tiny model on a shared 2-core machine vary by tens of percent between runs: the regression gate
     # (tested on its own in test_rebuild.py) must not turn that noise into a failed rebuild here.
