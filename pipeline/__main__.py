@@ -2,6 +2,7 @@
 
 Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
 ``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/cli/generate.py),
+``python -m pipeline serve SOURCE [VERSION] --checkpoint DIR`` (pipeline/cli/serve.py: an OpenAI-compatible server),
 ``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting) and
 ``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
 repository?) and
@@ -51,6 +52,12 @@ def _generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from pipeline.cli.serve import main as serve_main
+
+    return serve_main(argv)
+
+
 def _schedule(argv: list[str]) -> int:
     from pipeline.cli.schedule import main as schedule_main
 
@@ -72,6 +79,7 @@ def _neuron_check(argv: list[str]) -> int:
 SUBCOMMANDS = {  # name: (entry point, what it does)
     "pull": (_pull, "fetch a published version (or a variant's newest), verify it, unpack it for serving"),
     "generate": (_generate, "run a pulled or built version on a prompt (greedy), with its timing"),
+    "serve": (_serve, "serve a published version over HTTP (OpenAI-compatible routes, /generate, /health, /metrics)"),
     "schedule": (_schedule, "build many variants at once, as memory and NeuronCores allow"),
     "check-upgrades": (_check_upgrades, "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
                                         "then rebuild)"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,23 @@ def hf_reference(hf_model, prompts):
                                 return_dict_in_generate=True)
         out.append((gen.sequences[0, len(ids):].tolist(), torch.stack(gen.logits)[:, 0].float()))
     return out
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m pipeline ARGS`` from the repository, which must succeed."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_512_fp32(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny model's 512_fp32 built, validated and published (``publish=local``, unsigned) by the command users
+    run, with the default settings: its artifacts folder and the completed process. Tests only read it
+    (tests/test_pipeline.py, tests/test_serve.py)."""
+    root = tmp_path_factory.mktemp("e2e") / "artifacts"
+    return root, run_cli("+variant=512_fp32", "backend=cpu", f"artifacts_dir={root}")
 
 
 @pytest.fixture

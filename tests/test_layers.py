@@ -23,6 +23,7 @@ LAYERS = (
     ("host",),
     ("backends",),
     ("validation",),
+    ("serving",),
     ("publishing",),
     ("stages",),
     ("run",),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from pipeline.artifact.manifest import Manifest
 from pipeline.core.fsutil import sha256_file
 from pipeline.stages.package import version_name
 
+from .conftest import run_cli
 from .helpers import CPU_COMPILER
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,18 +21,9 @@ VARIANT = "512_fp32"
 LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    root = tmp_path_factory.mktemp("e2e") / "artifacts"
-    first = run_cli(f"+variant={VARIANT}", "backend=cpu", f"artifacts_dir={root}")
-    return root, first
+@pytest.fixture
+def built(tiny_512_fp32) -> tuple[Path, subprocess.CompletedProcess]:
+    return tiny_512_fp32
 
 
 def test_every_stage_ran_and_left_its_outputs(built):

@@ -155,8 +155,11 @@ def test_the_lowest_versions_environment_pins_every_lower_bound():
             name, version = line.split("==")
             pins[name.lower().replace("_", "-")] = version
     project = pyproject()
-    for text in project["dependencies"] + project["optional-dependencies"]["dev"]:
+    extras = project["optional-dependencies"]
+    for text in project["dependencies"] + extras["dev"] + extras["serve"]:
         req = Requirement(text)
+        if req.name == project["name"]:
+            continue  # dev's "gemma4-neuron-pipeline[serve]": the serve extra, checked here too
         floors = [s.version for s in req.specifier if s.operator == ">="]
         assert floors, f"{text} has no lower bound"
         pinned = pins.get(req.name.lower().replace("_", "-"))
@@ -170,3 +173,19 @@ def test_the_production_environment_is_the_neuron_extras_torch_and_transformers(
     assert pins["torch"] == extra["torch"] and pins["transformers"] == extra["transformers"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", pins["transformers"])
     assert len(pins) > 20  # a resolved environment, every package pinned
+
+
+def test_the_lowest_and_production_environments_share_torch_and_transformers():
+    """make test-lowest leaves the torch- and transformers-bound tests to make test-production (Makefile,
+    LOWEST_TESTS) because the two environments pin the same torch and transformers. Should a floor move off the
+    production pins, those tests belong in test-lowest again."""
+    def pins(name: str) -> dict[str, str]:
+        return dict(line.split("==") for line in (REPO / name).read_text().splitlines()
+                    if "==" in line and not line.startswith("#"))
+
+    lowest, production = pins("constraints-lowest.txt"), pins("constraints-production.txt")
+    # (tokenizers differs, 0.22.1 against 0.22.2: test_pipeline and test_serve, in both, tokenize.)
+    for package in ("torch", "transformers", "safetensors"):
+        assert lowest[package] == production[package], (
+            f"{package}: constraints-lowest.txt pins {lowest[package]}, constraints-production.txt "
+            f"{production[package]}: add the torch-bound tests (VERSION_TESTS) to LOWEST_TESTS in the Makefile")

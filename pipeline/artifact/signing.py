@@ -100,5 +100,6 @@ def check(folder: Path, archive_name: str, public_key: str | bytes | None, allow
     if not allow_unsigned:
         state = "is signed but no public key was given to check it" if signed else "is not signed"
         raise IntegrityError(f"{what} {state}: give the public key (package.signing.public_key, or --public-key "
-                             "for pull), or accept unverified artifacts explicitly (allow_unsigned)")
+                             "for pull and serve), or accept unverified artifacts explicitly "
+                             "(package.signing.allow_unsigned=true, or --allow-unsigned)")
     return "unsigned (allowed)"

@@ -12,7 +12,6 @@ and the timing on standard error.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,27 +19,10 @@ from pipeline.artifact.archive import verify_build
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.cli.pull import manifest_beside
-from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
+from pipeline.serving.engine import require_tokenizer, text_prefix_of
 from pipeline.validation.generation import Generator, check_fits
 from pipeline.validation.prompts import chat_ids
-
-
-def text_prefix_of(checkpoint: Path) -> str:
-    """Where the decoder's tensors live: the multimodal release nests them under ``model.language_model.``."""
-    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
-    return "model.language_model." if model_type == "gemma4" else "model."
-
-
-def require_tokenizer(checkpoint: Path) -> None:
-    """The checkpoint's tokenizer, or a refusal naming what is missing (transformers would otherwise fall back to a
-    sentencepiece conversion and fail with its own traceback)."""
-    if not (checkpoint / "config.json").is_file():
-        raise InputError(f"--checkpoint {checkpoint} has no config.json: point it at the base model's checkpoint "
-                         "folder")
-    if not (checkpoint / "tokenizer.json").is_file() and not (checkpoint / "tokenizer.model").is_file():
-        raise InputError(f"--checkpoint {checkpoint} has no tokenizer (tokenizer.json or tokenizer.model): download "
-                         "the base model's tokenizer files into it (the model stage's weights/ folder has them)")
 
 
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int, text_prefix: str | None) -> dict:

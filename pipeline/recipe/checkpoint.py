@@ -95,6 +95,11 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return sorted(self._index)
 
+    def stored_bytes(self, name: str, spec: ModelSpec) -> int:
+        """The bytes a recipe tensor takes in the checkpoint (0 when the checkpoint has no such tensor)."""
+        info = self._index.get(self.key(name, spec))
+        return _prod(info.shape) * _DTYPE_BYTES.get(info.dtype, 4) if info else 0
+
     # -- verification ------------------------------------------------------------------------------------------
 
     def verify(self, spec: ModelSpec) -> None:

@@ -15,6 +15,10 @@ from pipeline.recipe.parallel import Parallel
 from pipeline.recipe.plan import ShardPlan, load_rank_state
 from pipeline.recipe.spec import ModelSpec
 
+TOKEN_TABLE = "embed_tokens.weight"
+PER_LAYER_TABLE = "embed_tokens_per_layer.weight"
+EMBEDDING_TABLES = (TOKEN_TABLE, PER_LAYER_TABLE)  # what the host reads; every other tensor lives on the ranks
+
 
 class HostEmbeddings:
     """Looks up token embeddings (scaled by sqrt(hidden)) and per-layer token embeddings (scaled by sqrt(ple_dim))."""
@@ -28,12 +32,12 @@ class HostEmbeddings:
         bad = [t for t in token_ids if not 0 <= t < spec.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary of {spec.vocab_size}")
-        rows = self.checkpoint.read_rows("embed_tokens.weight", spec, list(token_ids)).float()
+        rows = self.checkpoint.read_rows(TOKEN_TABLE, spec, list(token_ids)).float()
         embeds = (rows * spec.embed_scale).view(1, len(token_ids), spec.hidden_size)
         if not spec.ple_dim:
             return embeds, torch.zeros(0)
         ple_ids = [t if t < spec.ple_vocab_size else spec.pad_token_id for t in token_ids]
-        ple_rows = self.checkpoint.read_rows("embed_tokens_per_layer.weight", spec, ple_ids).float()
+        ple_rows = self.checkpoint.read_rows(PER_LAYER_TABLE, spec, ple_ids).float()
         per_layer = (ple_rows * spec.ple_embed_scale).view(1, len(token_ids), spec.num_layers, spec.ple_dim)
         return embeds, per_layer
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,14 @@ class Generation:
     logits: torch.Tensor  # [steps, vocab] fp32, the logits behind each choice
     ttft_s: float  # prompt in to first token out, host work included
     decode_s: list[float] = field(default_factory=list)  # wall time of each decode call
+    prefill_calls: int = 0
+
+
+@dataclass
+class Step:
+    token: int  # the build's choice (its argmax)
+    logits: torch.Tensor  # [vocab] fp32, the logits behind it
+    seconds: float  # the prefill's wall time (host work included) for the first step, the decode call's after
     prefill_calls: int = 0
 
 
@@ -73,24 +82,28 @@ class Generator:
             logits, token = self.runner.prefill(embeds, per_layer, positions, torch.tensor([len(chunk) - 1]))
         return logits, token, calls
 
-    def generate(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Generation:
-        """Greedy decode up to ``max_new_tokens`` (stopping after an EOS), or teacher-forced over ``forced``."""
+    def steps(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Iterator[Step]:
+        """Greedy decode up to ``max_new_tokens`` (stopping after an EOS), or teacher-forced over ``forced``: one
+        ``Step`` per token, as it is chosen (the server streams them). The first step's time is the prefill's."""
         steps = len(forced) if forced is not None else max_new_tokens
         check_fits(len(prompt), steps, self.shape)
         started = time.perf_counter()
         logits, token, calls = self._prefill(prompt)
-        ttft = time.perf_counter() - started
-        chosen, rows, decode_s = [int(token)], [logits.view(-1)], []
-        position = len(prompt)
+        yield Step(int(token), logits.view(-1), time.perf_counter() - started, calls)
+        fed, position = int(token), len(prompt)
         for step in range(1, steps):
-            fed = forced[step - 1] if forced is not None else chosen[-1]
+            fed = forced[step - 1] if forced is not None else fed
             if forced is None and fed in self.eos_ids:
-                break
+                return
             t0 = time.perf_counter()
             embeds, per_layer = self.embed([fed])
             logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
-            decode_s.append(time.perf_counter() - t0)
-            chosen.append(int(token))
-            rows.append(logits.view(-1))
+            yield Step(int(token), logits.view(-1), time.perf_counter() - t0)
+            fed = int(token)
             position += 1
-        return Generation(len(prompt), chosen, torch.stack(rows), ttft, decode_s, calls)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Generation:
+        """Every step of ``steps`` at once: the tokens, their logits and the timing."""
+        taken = list(self.steps(prompt, max_new_tokens, forced))
+        return Generation(len(prompt), [s.token for s in taken], torch.stack([s.logits for s in taken]),
+                          taken[0].seconds, [s.seconds for s in taken[1:]], taken[0].prefill_calls)

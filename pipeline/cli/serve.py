@@ -1,0 +1,166 @@
+"""``python -m pipeline serve SOURCE [VERSION] --checkpoint DIR``: serve a published version over HTTP.
+
+SOURCE is what ``pull`` takes (a local publish folder or a Hugging Face repo id, with VERSION a published version or a
+variant's name), or a directory ``pull`` printed (VERSION may then be left out). The version is pulled and verified
+exactly as ``pull`` does it (signature, archive and every rank file's sha256; nothing is loaded unverified), and a
+pulled directory's rank files are checked against the manifest beside it again. The port is taken first, so a port in
+use is named before any work. The server then listens at once and loads the build in the background: ``GET /health``
+answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200 ``ready``.
+
+Routes (pipeline/serving/api.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
+version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
+``GET /metrics``. One request decodes at a time; up to ``--queue-size`` wait, each up to ``--queue-timeout`` seconds.
+SIGTERM or Ctrl-C: the running request finishes, the waiting ones and any new one get 503, and the command exits 0.
+
+    python -m pipeline serve your-org/gemma-4-E4B-it-inferentia2 2048_bf16 --checkpoint /data/gemma-4-E4B-it \\
+        --dest /workspace --public-key signing-key.pub.pem --port 8000
+    python -m pipeline serve /workspace/gemma4_e4b-2048_bf16-ncc2.23.6484.0-1f0c9a7e --checkpoint /data/gemma-4-E4B-it
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from pipeline.artifact import signing
+from pipeline.artifact.manifest import Manifest
+from pipeline.cli.pull import manifest_beside, pull, source_for
+from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.log import exit_on_error, log, setup
+
+
+def take_port(host: str, port: int) -> socket.socket:
+    """The listening socket, before any work: a port in use is refused by name."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old connections linger
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InputError(f"--port {port}: {host}:{port} is in use (another server?); stop it or choose another "
+                             "port with --port") from None
+        raise InputError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+    sock.listen(128)
+    return sock
+
+
+def is_pulled(source: str) -> bool:
+    path = Path(source)
+    return path.is_dir() and manifest_beside(path.resolve()).is_file()
+
+
+def obtain(args: argparse.Namespace) -> Path:
+    """The verified rank directory to serve."""
+    if is_pulled(args.source):
+        rank_dir = Path(args.source).resolve()
+        version = Manifest.read(manifest_beside(rank_dir)).version
+        if args.version and args.version != version:
+            raise InputError(f"{rank_dir} holds {version!r}, not {args.version!r}: leave VERSION out, or pull "
+                             f"{args.version!r}")
+        return rank_dir  # its rank files are checked against the manifest again before loading (Engine.verify)
+    if not args.version:
+        raise InputError(f"{args.source} is a publish folder or a Hub repo: give the VERSION (or a variant's name) to "
+                         "serve; a directory pull printed needs none")
+    problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
+    if problem:
+        raise PipelineError(problem)
+    return pull(source_for(args.source), args.version, args.dest.resolve(), args.public_key, args.allow_unsigned)
+
+
+def run_server(service, sock: socket.socket) -> int:
+    """Serve until SIGTERM or Ctrl-C; the build loads in the decode thread meanwhile. 0, or 1 when the load
+    failed (the server stops at once: a server that will never be ready must not look alive)."""
+    import uvicorn
+
+    from pipeline.serving.api import create_app
+
+    failed = threading.Event()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(service.close)  # waiting and new requests: 503 from now on
+            super().handle_exit(sig, frame)
+            # uvicorn raises a caught signal again once it has shut down; the shutdown was complete and clean, so
+            # the command exits 0 instead of dying of the signal (and the build's ranks are closed first).
+            getattr(self, "_captured_signals", []).clear()
+
+    config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=None)
+    server = Server(config)
+    server.loop = None
+
+    def load() -> None:
+        try:
+            service.engine.load()
+            for name, size in service.engine.host_bytes.items():
+                log.info("serve: host memory: %s %.2f GiB", name.replace("_", " "), size / 2**30)
+            server.loop.call_soon_threadsafe(service.ready)
+        except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+            service.state, service.problem = "failed", str(exc)
+            log.error("serve: loading %s failed: %s", service.engine.version, exc)
+            failed.set()
+            server.should_exit = True
+
+    async def main() -> None:
+        server.loop = asyncio.get_running_loop()
+        service.open()
+        # In the decode thread, which lives as long as the server: a backend's rank processes end with the thread
+        # that started them (procinfo.die_with_parent), so a loader thread of its own would take them along.
+        service.worker.submit(load)
+        await server.serve(sockets=[sock])
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.shutdown()
+    return 1 if failed.is_set() else 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a local publish folder, a Hugging Face repo id, or a directory pull printed")
+    parser.add_argument("version", nargs="?", help="a published version, or a variant's name for its newest (not "
+                                                   "needed for a pulled directory)")
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="the original checkpoint (tokenizer, config, embedding tables)")
+    parser.add_argument("--dest", type=Path, default=Path("."), help="where a pulled version is unpacked")
+    parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
+    parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
+                                                                 "past it: 429")
+    parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait; past it: 503")
+    parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
+    args = parser.parse_args(argv)
+    setup()
+    with exit_on_error():
+        if args.queue_size < 0 or args.queue_timeout <= 0:
+            raise InputError(f"--queue-size {args.queue_size} --queue-timeout {args.queue_timeout}: the queue size "
+                             "is 0 or more and the timeout more than 0 seconds")
+        from pipeline.serving.api import Service
+        from pipeline.serving.engine import Engine
+
+        sock = take_port(args.host, args.port)
+        try:
+            rank_dir = obtain(args)
+            engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix)
+            engine.verify()
+            log.info("serve: %s verified; listening on http://%s:%d while it loads", engine.version, args.host,
+                     sock.getsockname()[1])
+            return run_server(Service(engine, args.queue_size, args.queue_timeout), sock)
+        finally:
+            sock.close()
+    return 1  # pragma: no cover - exit_on_error exits
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

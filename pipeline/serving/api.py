@@ -1,0 +1,594 @@
+"""The HTTP routes of ``serve``: OpenAI-compatible chat and completions, the seed's ``/generate``, health, metrics.
+
+Every request body is checked against the models below before any work (an unknown field, a wrong type, a
+negative ``max_tokens``: a 400 in OpenAI's error shape naming the field), and uvicorn serves them (cli/serve.py).
+
+One request decodes at a time (the graphs are batch 1). ``Admission`` holds the others in a bounded FIFO queue: past
+``queue_size`` waiting, a request gets 429 at once; past ``queue_timeout_s`` of waiting, 503; both with
+``Retry-After``. A stream sends one event per token (its text empty while held back: an incomplete character, or
+the start of a stop string), so a client can time every token. Decoding runs in one worker thread; a client that
+disconnects sets the request's cancel event, and the worker stops before its next token. ``Service.close``
+(SIGTERM) refuses new and waiting requests with 503 while the running one finishes.
+
+Decoding is greedy only: a request that asks for sampling (``temperature`` above 0, ``top_p`` below 1, ``n`` above 1,
+penalties, log-probabilities) is refused naming the field, never served greedily in silence.
+
+``/metrics`` is Prometheus' text format: requests by route and status, time to first token and per-token latency
+histograms, tokens generated, and the queue's depth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.core.errors import InputError
+from pipeline.core.log import log
+from pipeline.serving.engine import Engine, Finish, Piece
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+GENERATE_DEFAULT_MAX_TOKENS = 64  # the generate command's default
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+
+
+# -- request bodies -------------------------------------------------------------------------------------------------
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is refused by name, never ignored
+
+
+BodyT = TypeVar("BodyT", bound=Body)
+
+
+class Sampling(Body):
+    """The sampling fields of OpenAI's requests: accepted only at the values greedy decoding means."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None  # greedy decoding is deterministic: any seed gives the same text
+    user: str | None = None
+
+    def sampling_problem(self) -> tuple[str, str] | None:
+        """``(field, message)`` for a field that asks for anything but greedy decoding."""
+        greedy = "this server decodes greedily (the build's argmax)"
+        if self.temperature:
+            return "temperature", f"temperature {self.temperature}: {greedy}; omit it or set it to 0"
+        if self.top_p is not None and self.top_p < 1:
+            return "top_p", f"top_p {self.top_p}: {greedy}; omit it or set it to 1"
+        if self.n not in (None, 1):
+            return "n", f"n {self.n}: one choice per request (greedy decoding gives one answer); omit it or set it to 1"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} {getattr(self, name)}: {greedy} with no penalties; omit it or set it to 0"
+        return None
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class OpenAIRequest(Sampling):
+    """What chat and completion requests share."""
+
+    model: str
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+OpenAIRequestT = TypeVar("OpenAIRequestT", bound=OpenAIRequest)
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] = Field(min_length=1)
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    echo: Literal[False] | None = None
+    logprobs: Literal[0] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+
+class GenerateRequest(Body):
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(GENERATE_DEFAULT_MAX_TOKENS, ge=1)
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+
+class Refused(Exception):
+    """A request answered with an error: OpenAI's shape, ``param`` naming the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after_s = (status, message, param, code,
+                                                                                retry_after_s)
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=headers)
+
+
+async def parse(request: Request, model: type[BodyT]) -> BodyT:
+    """The request's JSON body as ``model``, or a 400 naming what is wrong. The body is read as JSON whatever its
+    Content-Type says (curl's ``-d`` sends form encoding)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise Refused(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise Refused(400, f"the request body is a JSON {type(data).__name__}; it must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise describe_validation(exc) from None
+
+
+def describe_validation(exc: ValidationError) -> Refused:
+    """Pydantic's first complaint as one sentence naming the field (``messages.0.role``), as a 400."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return Refused(400, f"unknown field {where!r}: this server does not support it; remove it", where)
+    if first.get("type") == "missing":
+        return Refused(400, f"{where} is required", where)
+    return Refused(400, f"{where}: {first['msg']} (got {first.get('input')!r})", where or None)
+
+
+# -- one request at a time ------------------------------------------------------------------------------------------
+
+class Admission:
+    """One request decodes at a time; at most ``queue_size`` wait, each at most ``queue_timeout_s`` (FIFO: asyncio's
+    lock wakes its waiters in order)."""
+
+    def __init__(self, queue_size: int, queue_timeout_s: float, depth: Gauge):
+        self.queue_size, self.queue_timeout_s, self.depth = queue_size, queue_timeout_s, depth
+        self._turn = asyncio.Lock()
+        self._closed = asyncio.Event()
+        self.waiting = 0
+
+    def close(self) -> None:
+        self._closed.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def enter(self) -> None:
+        """Return holding the turn, or raise ``Refused`` (queue full: 429; waited too long, or closing: 503)."""
+        if self.closed:
+            raise Refused(503, "the server is shutting down", retry_after_s=5)
+        if self._turn.locked() and self.waiting >= self.queue_size:
+            raise Refused(429, f"{self.waiting} requests are already waiting (the queue holds {self.queue_size}); "
+                               "retry later", retry_after_s=max(1, round(self.queue_timeout_s / 4)))
+        self.waiting += 1
+        self.depth.set(self.waiting)
+        acquire = asyncio.ensure_future(self._turn.acquire())
+        closing = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({acquire, closing}, timeout=self.queue_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting -= 1
+            self.depth.set(self.waiting)
+            closing.cancel()
+            if not acquire.done():
+                acquire.cancel()
+            await asyncio.gather(acquire, return_exceptions=True)
+        got = acquire.done() and not acquire.cancelled() and acquire.exception() is None
+        if got and not self.closed:
+            return
+        if got:
+            self._turn.release()
+        if self.closed:
+            raise Refused(503, "the server is shutting down", retry_after_s=5)
+        raise Refused(503, f"waited {self.queue_timeout_s:g} s for the requests ahead; retry later",
+                      retry_after_s=max(1, round(self.queue_timeout_s / 4)))
+
+    def leave(self) -> None:
+        self._turn.release()
+
+
+# -- the service ----------------------------------------------------------------------------------------------------
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("serve_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.ttft = Histogram("serve_time_to_first_token_seconds",
+                              "From a generation request's arrival to its first token (queue wait included)",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                              registry=self.registry)
+        self.token_latency = Histogram("serve_token_latency_seconds", "Each decode step after the first token",
+                                       buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1),
+                                       registry=self.registry)
+        self.tokens = Counter("serve_tokens_generated", "Tokens generated", registry=self.registry)
+        self.queue_depth = Gauge("serve_queue_depth", "Requests waiting for their turn", registry=self.registry)
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    decode_s: float
+
+
+class Service:
+    """The app's state: the engine (``None`` until loaded), its readiness, the queue and the metrics."""
+
+    def __init__(self, engine: Engine, queue_size: int, queue_timeout_s: float):
+        self.engine = engine
+        self.metrics = Metrics()
+        self.admission: Admission | None = None  # made by open()
+        self.queue_size, self.queue_timeout_s = queue_size, queue_timeout_s
+        self.state = "loading"  # loading, ready, failed, closing
+        self.problem = ""
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+
+    def open(self) -> None:
+        """On the server's event loop, before the first request (asyncio's lock and event belong to one loop)."""
+        self.admission = Admission(self.queue_size, self.queue_timeout_s, self.metrics.queue_depth)
+
+    def ready(self) -> None:
+        if self.state == "loading":  # not if a shutdown began meanwhile
+            self.state = "ready"
+            log.info("serve: %s is ready", self.engine.version)
+
+    def shutdown(self) -> None:
+        """After the server stopped: wait for the worker (the running request's last token), unload the build."""
+        self.worker.shutdown(wait=True)
+        self.engine.close()
+
+    def close(self) -> None:
+        """Refuse new and waiting requests; the running one finishes."""
+        self.state = "closing" if self.state != "failed" else self.state
+        if self.admission:
+            self.admission.close()
+
+    def require_ready(self, model: str | None) -> Engine:
+        if self.state == "loading":
+            raise Refused(503, "the build is still loading; retry once GET /health says ready", retry_after_s=5)
+        if self.state != "ready":
+            raise Refused(503, f"the server is {self.state}" + (f": {self.problem}" if self.problem else ""),
+                          retry_after_s=5)
+        if model is not None and model != self.engine.version:
+            raise Refused(404, f"model {model!r} is not served here; this server serves {self.engine.version!r} "
+                               "(GET /v1/models)", "model", "model_not_found")
+        return self.engine
+
+    def prepare(self, ids: list[int], max_tokens: int | None, what: str, max_field: str = "max_tokens") -> int:
+        """The number of new tokens to decode for a prompt of ``ids``; refuses one the cache cannot hold."""
+        room = self.engine.room(len(ids))
+        if room < 1:
+            raise Refused(400, f"the {what} is {len(ids)} tokens; this build's cache holds {self.engine.shape.kv_max} "
+                               "(variant.kv_max) with room for at least one new token: shorten it", what)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise Refused(400, f"{max_field} {max_tokens} with a prompt of {len(ids)} tokens needs "
+                               f"{len(ids) + max_tokens} cache positions; this build holds "
+                               f"{self.engine.shape.kv_max} (variant.kv_max): ask for at most {room}", max_field)
+        return max_tokens
+
+    async def start(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
+                    arrived: float) -> Decoding:
+        """Wait for the turn, then start decoding in the worker thread. The turn is released when the worker is
+        done, whether or not anyone reads its pieces (a client gone before its stream began included): the worker
+        stops at its next token once the client disconnects."""
+        await self.admission.enter()
+        loop = asyncio.get_running_loop()
+        decoding = Decoding(self, arrived)
+
+        def produce() -> None:
+            try:
+                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel):
+                    if isinstance(item, Piece):
+                        self.metrics.tokens.inc()  # what the build decoded, read by the client or not
+                    loop.call_soon_threadsafe(decoding.pieces.put_nowait, item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the request, which answers 500
+                loop.call_soon_threadsafe(decoding.pieces.put_nowait, exc)
+
+        try:
+            job = loop.run_in_executor(self.worker, produce)
+        except BaseException:
+            self.admission.leave()
+            raise
+
+        def done(_) -> None:
+            decoding.cancel.set()  # ends the disconnect watcher
+            self.admission.leave()
+
+        job.add_done_callback(done)
+        asyncio.ensure_future(watch_disconnect(request, decoding.cancel))
+        return decoding
+
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, InputError):
+            return
+        self.state, self.problem = "failed", f"{type(exc).__name__}: {exc}"
+        log.error("serve: decoding failed, the server stops taking requests: %s", self.problem)
+
+    async def complete(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
+                       arrived: float) -> Outcome:
+        decoding = await self.start(request, ids, max_tokens, stops, arrived)
+        text, reason, count, ttft, decode_s = [], "length", 0, None, 0.0
+        async for item in decoding.items():
+            if isinstance(item, Piece):
+                text.append(item.text)
+                if ttft is None:
+                    ttft = item.seconds
+                else:
+                    decode_s += item.seconds
+            else:
+                text.append(item.text)
+                reason, count = item.reason, item.completion_tokens
+        return Outcome("".join(text), reason, len(ids), count, ttft, decode_s)
+
+
+class Decoding:
+    """One request's decode: the pieces the worker thread hands over, and the event that stops it."""
+
+    def __init__(self, service: Service, arrived: float):
+        self.service, self.arrived = service, arrived
+        self.pieces: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    async def items(self) -> AsyncIterator[Piece | Finish]:
+        """The pieces as they come, then the ``Finish``; a failure of the worker is a 500."""
+        metrics, first = self.service.metrics, True
+        try:
+            while True:
+                item = await self.pieces.get()
+                if isinstance(item, BaseException):
+                    self.service.fail(item)
+                    raise Refused(500, f"decoding failed: {type(item).__name__}: {item}")
+                if isinstance(item, Piece):
+                    if first:
+                        metrics.ttft.observe(time.perf_counter() - self.arrived)
+                        first = False
+                    else:
+                        metrics.token_latency.observe(item.seconds)
+                yield item
+                if isinstance(item, Finish):
+                    return
+        finally:
+            self.cancel.set()  # the answer is complete, or its reader went away: the worker stops
+
+
+async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set ``cancel`` when the client disconnects."""
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(0.05)
+
+
+def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOPS:
+        raise Refused(400, f"{len(stops)} stop sequences: at most {MAX_STOPS}", "stop")
+    if any(not s for s in stops):
+        raise Refused(400, "an empty stop sequence: every stop sequence needs at least one character", "stop")
+    return stops
+
+
+def check_sampling(body: Sampling) -> None:
+    problem = body.sampling_problem()
+    if problem:
+        raise Refused(400, problem[1], problem[0])
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload) -> str:
+    return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
+
+
+# -- the app --------------------------------------------------------------------------------------------------------
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="gemma4-neuron-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(InputError)
+    async def input_error(_: Request, exc: InputError) -> JSONResponse:
+        return Refused(400, str(exc)).response()
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        service.metrics.requests.labels(route.path if route else "unknown", str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": service.state, "version": service.engine.version}
+        if service.problem:
+            body["error"] = service.problem
+        return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        manifest = service.engine.manifest
+        return {"object": "list", "data": [{"id": service.engine.version, "object": "model",
+                                            "created": 0, "owned_by": manifest.model.name}]}
+
+    async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, tuple[str, ...]]:
+        """A chat or completion request's body, checked; the engine, ready and serving its model; its stops."""
+        body = await parse(request, kind)
+        engine = service.require_ready(body.model)
+        check_sampling(body)
+        return body, engine, stops_of(body.stop)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        arrived = time.perf_counter()
+        body, engine, stops = await accept(request, ChatRequest)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise Refused(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        try:
+            ids = engine.chat_ids([m.as_template_input() for m in body.messages])
+        except Exception as exc:  # noqa: BLE001 - the chat template's own refusal (roles out of order...)
+            raise Refused(400, f"the chat template refused the messages: {exc}", "messages") from None
+        max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = service.prepare(ids, body.max_tokens or body.max_completion_tokens, "messages", max_field)
+        reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": reply_id, "created": created, "model": engine.version}
+        if not body.stream:
+            out = await service.complete(request, ids, max_tokens, stops, arrived)
+            return {**head, "object": "chat.completion", "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                "finish_reason": out.finish_reason}], "usage": usage(out.prompt_tokens, out.completion_tokens)}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: dict, finish: str | None) -> str:
+            return sse({**head, "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+        decoding = await service.start(request, ids, max_tokens, stops, arrived)  # refusals keep their status
+
+        async def events() -> AsyncIterator[str]:
+            yield chunk({"role": "assistant", "content": ""}, None)
+            async for item in stream_items(decoding):
+                if isinstance(item, str):
+                    yield item  # an error after the stream began
+                elif isinstance(item, Piece):
+                    yield chunk({"content": item.text}, None)  # one event per token, its text possibly held back
+                else:
+                    if item.text:
+                        yield chunk({"content": item.text}, None)
+                    yield chunk({}, item.reason)
+                    if include_usage:
+                        yield sse({**head, "object": "chat.completion.chunk", "choices": [],
+                                   "usage": usage(len(ids), item.completion_tokens)})
+            yield sse("[DONE]")
+
+        return streaming(events())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrived = time.perf_counter()
+        body, engine, stops = await accept(request, CompletionRequest)
+        if isinstance(body.prompt, list):
+            if len(body.prompt) != 1:
+                raise Refused(400, f"{len(body.prompt)} prompts: one prompt per request (the graphs are batch 1)",
+                              "prompt")
+            prompt = body.prompt[0]
+        else:
+            prompt = body.prompt
+        ids = engine.text_ids(prompt)
+        max_tokens = service.prepare(ids, body.max_tokens, "prompt")
+        reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
+        if not body.stream:
+            out = await service.complete(request, ids, max_tokens, stops, arrived)
+            return {**head, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                                         "finish_reason": out.finish_reason}],
+                    "usage": usage(out.prompt_tokens, out.completion_tokens)}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text: str, finish: str | None) -> str:
+            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+
+        decoding = await service.start(request, ids, max_tokens, stops, arrived)  # refusals keep their status
+
+        async def events() -> AsyncIterator[str]:
+            async for item in stream_items(decoding):
+                if isinstance(item, str):
+                    yield item
+                elif isinstance(item, Piece):
+                    yield chunk(item.text, None)  # one event per token, its text possibly held back
+                else:
+                    yield chunk(item.text, item.reason)
+                    if include_usage:
+                        yield sse({**head, "choices": [], "usage": usage(len(ids), item.completion_tokens)})
+            yield sse("[DONE]")
+
+        return streaming(events())
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict:
+        arrived = time.perf_counter()
+        body = await parse(request, GenerateRequest)
+        engine = service.require_ready(None)
+        ids = engine.chat_ids([{"role": "user", "content": body.prompt}])
+        max_tokens = service.prepare(ids, body.max_tokens, "prompt")
+        out = await service.complete(request, ids, max_tokens, (), arrived)
+        steps = out.completion_tokens - 1
+        return {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+                "new_tokens": out.completion_tokens,
+                "ttft_ms": round(out.ttft_s * 1e3, 1) if out.ttft_s is not None else None,
+                "tokens_per_s": round(steps / out.decode_s, 1) if steps > 0 and out.decode_s else None}
+
+    return app
+
+
+async def stream_items(decoding: Decoding) -> AsyncIterator[Piece | Finish | str]:
+    """The decode's items; an error once the stream has begun becomes one SSE event in OpenAI's error shape."""
+    try:
+        async for item in decoding.items():
+            yield item
+    except Refused as exc:
+        yield sse({"error": {"message": exc.message, "type": "server_error", "param": exc.param, "code": exc.code}})
+
+
+def streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

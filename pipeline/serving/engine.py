@@ -1,0 +1,181 @@
+"""The decode engine behind ``serve``: one verified build, loaded once, decoding one request at a time.
+
+``Engine.load`` does what ``generate`` does (verify the rank files against the manifest, load them with the backend
+that built them, open the checkpoint for the host's embedding lookups), then decodes a warm-up token so that the
+first request does not pay for the graphs' first run. The host keeps only what it computes: the token and per-layer
+embedding tables stay in their safetensors files, memory-mapped, and only the rows of the tokens it embeds are read
+(``recipe/host.HostEmbeddings``); no decoder layer and no float copy of a table is on the host. A host-prefill build
+is the exception: the prompt runs through the float model on the host (``HostPrefill``), which holds every decoder
+layer in fp32; ``host_bytes`` says how much, and ``serve`` logs it.
+
+Requests arrive as token ids (``chat_ids`` and ``text_ids`` make them) and leave as a stream of ``Piece``s: the text
+each token adds, found by decoding everything generated so far (a token may end in the middle of a character), held
+back while it could be the start of a stop string. ``decode`` runs in one worker thread; ``cancel`` stops it between
+two tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.artifact.archive import verify_build
+from pipeline.artifact.manifest import Manifest
+from pipeline.backends import get_backend
+from pipeline.core.errors import InputError
+from pipeline.core.log import log
+from pipeline.core.shape import BuildShape
+from pipeline.validation.generation import Generator, check_fits
+
+WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it completes (empty while held back)."""
+
+    token: int
+    text: str
+    seconds: float  # the prefill's time for the first token, the decode step's after
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "stop" (an end-of-sequence token or a stop string), "length" (max_tokens reached), "cancelled"
+    text: str  # what was held back and is now released (the stop string itself never is)
+    completion_tokens: int
+
+
+def text_prefix_of(checkpoint: Path) -> str:
+    """Where the decoder's tensors live: the multimodal release nests them under ``model.language_model.``."""
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    return "model.language_model." if model_type == "gemma4" else "model."
+
+
+def require_tokenizer(checkpoint: Path) -> None:
+    """The checkpoint's tokenizer, or a refusal naming what is missing (transformers would otherwise fall back to a
+    sentencepiece conversion and fail with its own traceback)."""
+    if not (checkpoint / "config.json").is_file():
+        raise InputError(f"--checkpoint {checkpoint} has no config.json: point it at the base model's checkpoint "
+                         "folder")
+    if not (checkpoint / "tokenizer.json").is_file() and not (checkpoint / "tokenizer.model").is_file():
+        raise InputError(f"--checkpoint {checkpoint} has no tokenizer (tokenizer.json or tokenizer.model): download "
+                         "the base model's tokenizer files into it (the model stage's weights/ folder has them)")
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` must wait: an incomplete character (the tokenizer shows it as
+    U+FFFD until its last byte arrives), or a tail that could be the start of a stop string."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class Engine:
+    """A loaded build. ``load`` and ``close`` bracket its life; ``decode`` is called from one thread at a time."""
+
+    def __init__(self, rank_dir: Path, checkpoint: Path, text_prefix: str | None = None):
+        self.rank_dir = rank_dir
+        self.checkpoint = checkpoint
+        self.text_prefix = text_prefix
+        self.manifest = Manifest.read(rank_dir.with_name(rank_dir.name + ".manifest.json"))
+        self.version: str = self.manifest.version
+        self.shape: BuildShape = self.manifest.shape
+        self._stack = contextlib.ExitStack()
+        self.tokenizer = None
+        self.generator: Generator | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.host_bytes: dict[str, int] = {}
+
+    def verify(self) -> None:
+        """The rank files against the manifest (sha256 of each), and the checkpoint's tokenizer: before any load."""
+        self.build = verify_build(self.rank_dir, self.manifest.member_files())
+        require_tokenizer(self.checkpoint)
+
+    def load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from pipeline.recipe.checkpoint import Checkpoint
+        from pipeline.recipe.host import EMBEDDING_TABLES, HostEmbeddings, HostPrefill
+        from pipeline.recipe.spec import load_spec
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        spec = load_spec(self.checkpoint)
+        ckpt = self._stack.enter_context(
+            Checkpoint(self.checkpoint, self.text_prefix or text_prefix_of(self.checkpoint)))
+        ckpt.verify(spec)
+        self.host_bytes = {"embedding_tables_mapped": sum(ckpt.stored_bytes(name, spec) for name in EMBEDDING_TABLES)}
+        host = None
+        if self.shape.prefill == "host":
+            host = HostPrefill(ckpt, spec, self.shape.kv_max)
+            self.host_bytes["host_prefill_float_model"] = sum(
+                t.numel() * t.element_size() for t in host.model.state_dict().values())
+        runner = self._stack.enter_context(get_backend(self.manifest.backend).load(self.build, self.shape))
+        self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+        self.eos_ids = frozenset(spec.eos_token_ids)
+        started = time.perf_counter()
+        for _ in self.decode(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, (), threading.Event()):
+            pass
+        log.info("serve: %s loaded; warm-up (a prefill and a decode step) took %.0f ms", self.version,
+                 (time.perf_counter() - started) * 1e3)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to ``messages`` (role and text content each), with the generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def text_ids(self, prompt: str) -> list[int]:
+        """A raw completion prompt: the tokenizer's own special tokens (BOS), no chat template."""
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def room(self, prompt_tokens: int) -> int:
+        """How many new tokens the build's cache holds after a prompt of this length."""
+        return self.shape.kv_max - prompt_tokens
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        check_fits(prompt_tokens, max_tokens, self.shape)
+
+    def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...],
+               cancel: threading.Event) -> Iterator[Piece | Finish]:
+        """Greedy decode: a ``Piece`` per token, then one ``Finish``. Stops at an end-of-sequence token (not shown),
+        at a stop string (cut before it), after ``max_tokens``, or at the first step after ``cancel`` is set."""
+        tokens: list[int] = []
+        shown = 0  # characters of the generated text already given out
+        for step in self.generator.steps(ids, max_tokens):
+            if step.token in self.eos_ids:
+                text = self._text(tokens)
+                yield Finish("stop", text[shown:], len(tokens) + 1)
+                return
+            tokens.append(step.token)
+            text = self._text(tokens)
+            cut = min((text.find(s, max(0, shown - len(s))) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                yield Piece(step.token, "", step.seconds)
+                yield Finish("stop", text[shown:cut], len(tokens))
+                return
+            ready = len(text) - held_back(text, stops)
+            yield Piece(step.token, text[shown:ready], step.seconds)
+            shown = max(shown, ready)
+            if cancel.is_set():
+                yield Finish("cancelled", "", len(tokens))
+                return
+        yield Finish("length", self._text(tokens)[shown:], len(tokens))
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

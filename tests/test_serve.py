@@ -1,0 +1,346 @@
+"""``python -m pipeline serve``: a published tiny build served over HTTP, driven as its users drive it.
+
+The official ``openai`` client for chat, completions and streaming (the greedy text equals ``generate``'s and
+transformers' own); concurrent clients against the bounded queue; a client that goes away; bad requests; the
+start-up refusals (a tampered build, a version that does not exist, an unsigned build, a port in use); SIGTERM.
+Every server here is the real command in its own process, on a loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.client import HTTPConnection
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT = "512_fp32"
+QUESTION = "What is the capital of France?"
+STARTUP_S = 180
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def published(tiny_512_fp32) -> tuple[Path, Path, str]:
+    """The tiny 512_fp32 build published to a local folder: ``(publish folder, checkpoint, version)``."""
+    root, _ = tiny_512_fp32
+    version = json.loads((root / "gemma4_tiny" / VARIANT / "publish.json").read_text())["tag"]
+    return root / "published", root / "gemma4_tiny" / "weights", version
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def request(url: str, body=None, timeout: float = 120) -> Reply:
+    """A GET (no body) or a POST of ``body`` (bytes as they are, anything else as JSON), answered or refused."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, response.read().decode())
+    except urllib.error.HTTPError as error:
+        return Reply(error.code, {k.lower(): v for k, v in error.headers.items()}, error.read().decode())
+
+
+class Server:
+    """``python -m pipeline serve`` in its own process, on a free loopback port."""
+
+    def __init__(self, published, dest: Path, *extra: str):
+        folder, weights, self.version = published
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = dest / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "serve", str(folder), VARIANT, "--checkpoint", str(weights),
+             "--dest", str(dest), "--allow-unsigned", "--port", str(self.port), *extra],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if request(f"{self.url}/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"not ready after {STARTUP_S} s:\n{self.log.read_text()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def post(self, route: str, body, timeout: float = 120) -> Reply:
+        return request(self.url + route, body, timeout)
+
+    def get(self, route: str) -> Reply:
+        return request(self.url + route, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(published, tmp_path_factory):
+    srv = Server(published, tmp_path_factory.mktemp("dest"))
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy_reference(weights: Path, ids: list[int], new_tokens: int) -> str:
+    """transformers' own greedy continuation of ``ids``, as text (end-of-sequence tokens dropped)."""
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(weights)
+    model = Gemma4ForCausalLM.from_pretrained(weights, dtype=torch.float32, attn_implementation="eager").eval()
+    from pipeline.recipe.spec import load_spec
+
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+    stop = next((i for i, t in enumerate(out) if t in load_spec(weights).eos_token_ids), len(out))
+    return tok.decode(out[:stop], skip_special_tokens=True)
+
+
+def test_the_openai_client_gets_generates_text_and_the_references(server, client, published, tmp_path):
+    folder, weights, version = published
+    assert [m.id for m in client.models.list().data] == [version]
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model=version, messages=messages, max_tokens=12)
+    text = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens == 26
+    streamed = client.chat.completions.create(model=version, messages=messages, max_tokens=12, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # The same build through generate, and transformers' float model on the same ids: the same greedy text (fp32).
+    pulled = cli("pull", str(folder), version, "--dest", str(tmp_path), "--allow-unsigned").stdout.strip()
+    generated = cli("generate", pulled, "--checkpoint", str(weights), "--prompt", QUESTION, "--max-new-tokens", "12")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.rstrip("\n") == text
+    from transformers import AutoTokenizer
+
+    from .conftest import chat_ids
+
+    assert greedy_reference(weights, chat_ids(AutoTokenizer.from_pretrained(weights), QUESTION), 12) == text
+    completion = client.completions.create(model=version, prompt="The capital of France is", max_tokens=6)
+    tok_ids = AutoTokenizer.from_pretrained(weights)("The capital of France is")["input_ids"]
+    assert completion.choices[0].text == greedy_reference(weights, tok_ids, 6)
+    streamed = client.completions.create(model=version, prompt="The capital of France is", max_tokens=6, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+    simple = server.post("/generate", {"prompt": QUESTION, "max_tokens": 12}).json()
+    assert simple["text"] == text and simple["prompt_tokens"] == 26 and simple["new_tokens"] == 12
+
+
+def test_a_stop_string_ends_the_text_before_it(server, client):
+    whole = client.completions.create(model=server.version, prompt="The capital of France is", max_tokens=12)
+    text = whole.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = client.completions.create(model=server.version, prompt="The capital of France is", max_tokens=12, stop=stop)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=server.version, prompt="The capital of France is", max_tokens=12,
+                                         stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("route, body, status, param, said", [
+    ("/v1/chat/completions", "{not json", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model", "model is required"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
+     "tools", "unknown field 'tools'"),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
+     "model 'other' is not served here"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": 0.8}, 400, "temperature", "decodes greedily"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600},
+     400, "max_tokens", "ask for at most 497"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "Paris is a city. " * 150}]},
+     400, "messages", "this build's cache holds 512"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "robot", "content": "hi"}]}, 400,
+     "messages.0.role", "messages.0.role"),
+    ("/v1/completions", {"model": "VERSION", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ("/generate", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
+])
+def test_a_bad_request_is_refused_naming_the_field_and_the_server_keeps_serving(server, route, body, status, param,
+                                                                                said):
+    if isinstance(body, dict) and body.get("model") == "VERSION":
+        body["model"] = server.version
+    response = server.post(route, body.encode() if isinstance(body, str) else body)
+    error = response.json()["error"]
+    assert response.status == status and error["param"] == param and said in error["message"], error
+    assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+
+
+def test_health_and_metrics(server):
+    health = server.get("/health")
+    assert health.json() == {"status": "ready", "version": server.version}
+    server.post("/generate", {"prompt": "hi", "max_tokens": 3})
+    text = server.get("/metrics").text
+    for series in ('serve_requests_total{route="/generate",status="200"}', "serve_time_to_first_token_seconds_count",
+                   "serve_token_latency_seconds_bucket", "serve_tokens_generated_total", "serve_queue_depth"):
+        assert series in text
+
+
+def test_concurrent_clients_are_answered_or_refused_never_lost_or_mixed_up(published, tmp_path):
+    """Eight clients at once against one decode and a queue of two: each gets its own prompt's greedy answer, or a
+    429/503 with Retry-After; the queue never holds more than two."""
+    srv = Server(published, tmp_path, "--queue-size", "2", "--queue-timeout", "60")
+    try:
+        srv.wait_ready()
+        prompts = [f"Question {i}: {QUESTION}" for i in range(8)]
+        answers: dict[int, Reply] = {}
+        depth_seen: list[float] = []
+
+        def ask(i: int) -> None:
+            answers[i] = srv.post("/generate", {"prompt": prompts[i], "max_tokens": 48})
+
+        def watch_depth(stop: threading.Event) -> None:
+            while not stop.is_set():
+                for line in srv.get("/metrics").text.splitlines():
+                    if line.startswith("serve_queue_depth "):
+                        depth_seen.append(float(line.split()[1]))
+                time.sleep(0.05)
+
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_depth, args=(stop,))
+        watcher.start()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        stop.set()
+        watcher.join()
+        assert sorted(answers) == list(range(8))
+        served = {i: r.json()["text"] for i, r in answers.items() if r.status == 200}
+        refused = [r for r in answers.values() if r.status != 200]
+        assert all(r.status in (429, 503) and int(r.headers["retry-after"]) >= 1 for r in refused)
+        assert refused and len(served) >= 3 and max(depth_seen) <= 2
+        for i, text in served.items():  # each its own prompt's answer, asked again alone
+            assert srv.post("/generate", {"prompt": prompts[i], "max_tokens": 48}).json()["text"] == text
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_client_that_disconnects_stops_its_decode(server):
+    def generated() -> float:
+        lines = server.get("/metrics").text.splitlines()
+        return next(float(line.split()[1]) for line in lines if line.startswith("serve_tokens_generated_total"))
+
+    before = generated()
+    body = {"model": server.version, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 480,
+            "stream": True}
+    connection = HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(6):
+        response.readline()
+    connection.close()
+    # The connection is closed: the next request is served as soon as the decode stops, long before 480 tokens.
+    assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+    assert generated() - before < 200
+
+
+def test_sigterm_finishes_the_running_request_and_refuses_the_waiting_one(published, tmp_path):
+    srv = Server(published, tmp_path)
+    srv.wait_ready()
+    answers: dict[str, Reply] = {}
+
+    def ask(name: str) -> None:
+        answers[name] = srv.post("/generate", {"prompt": QUESTION, "max_tokens": 200})
+
+    running = threading.Thread(target=ask, args=("running",))
+    running.start()
+    time.sleep(1.0)
+    waiting = threading.Thread(target=ask, args=("waiting",))
+    waiting.start()
+    time.sleep(0.5)
+    srv.proc.send_signal(signal.SIGTERM)
+    running.join(timeout=120)
+    waiting.join(timeout=120)
+    assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()
+    assert answers["running"].status == 200 and answers["running"].json()["new_tokens"] == 200
+    assert answers["waiting"].status == 503 and "shutting down" in answers["waiting"].json()["error"]["message"]
+    with pytest.raises(ConnectionRefusedError):
+        HTTPConnection("127.0.0.1", srv.port, timeout=5).request("GET", "/health")
+
+
+def test_start_up_refusals(published, tmp_path):
+    folder, weights, version = published
+    base = ["serve", "--checkpoint", str(weights), "--dest", str(tmp_path), "--port", str(free_port())]
+    missing = cli(*base, str(folder), "999_fp32", "--allow-unsigned", timeout=120)
+    assert missing.returncode == 1 and f"its versions are ['{version}']" in missing.stderr
+    unsigned = cli(*base, str(folder), VARIANT, timeout=120)
+    assert unsigned.returncode == 1 and "--allow-unsigned" in unsigned.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        busy = cli("serve", str(folder), VARIANT, "--checkpoint", str(weights), "--port", port, "--allow-unsigned",
+                   timeout=120)
+    assert busy.returncode == 1 and f"--port {port}: 127.0.0.1:{port} is in use" in busy.stderr
+    pulled = Path(cli("pull", str(folder), version, "--dest", str(tmp_path), "--allow-unsigned").stdout.strip())
+    (pulled / "tp_1.pt").write_bytes(b"tampered")
+    tampered = cli(*base, str(pulled), timeout=120)
+    assert tampered.returncode == 1 and "rank file" in tampered.stderr and "listening" not in tampered.stderr
+    for refused in (missing, unsigned, busy, tampered):
+        assert "Traceback" not in refused.stderr
+
+
+def test_the_host_keeps_only_the_embedding_tables(published, tmp_path):
+    """A device-prefill build: the serving host holds the two embedding tables (mapped, read by row), no decoder
+    layer; the sizes it logs are the tables' bytes in the checkpoint."""
+    from safetensors import safe_open
+
+    from pipeline.recipe.host import EMBEDDING_TABLES
+    from pipeline.serving.engine import Engine
+
+    folder, weights, version = published
+    pulled = Path(cli("pull", str(folder), version, "--dest", str(tmp_path), "--allow-unsigned").stdout.strip())
+    engine = Engine(pulled, weights)
+    engine.verify()
+    engine.load()
+    try:
+        with safe_open(weights / "model.safetensors", framework="pt") as f:
+            tables = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+                         if k.endswith(EMBEDDING_TABLES))
+        assert engine.host_bytes == {"embedding_tables_mapped": tables}
+        assert engine.generator.host_prefill is None
+    finally:
+        engine.close()
