@@ -9,6 +9,7 @@ Every server here is the real command in its own process, on a loopback port.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -72,15 +73,16 @@ def request(url: str, body=None, timeout: float = 120) -> Reply:
 class Server:
     """``python -m pipeline serve`` in its own process, on a free loopback port."""
 
-    def __init__(self, published, dest: Path, *extra: str):
+    def __init__(self, published, dest: Path, *extra: str, source: list[str] | None = None, env: dict | None = None):
         folder, weights, self.version = published
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = dest / f"serve-{self.port}.log"
+        source = source or [str(folder), VARIANT, "--dest", str(dest), "--allow-unsigned"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "serve", str(folder), VARIANT, "--checkpoint", str(weights),
-             "--dest", str(dest), "--allow-unsigned", "--port", str(self.port), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True)
+            [sys.executable, "-m", "pipeline", "serve", *source, "--checkpoint", str(weights), "--port",
+             str(self.port), *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True,
+            env={**os.environ, **(env or {})})
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -344,3 +346,43 @@ def test_the_host_keeps_only_the_embedding_tables(published, tmp_path):
         assert engine.generator.host_prefill is None
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("variant", ["512_fp32", "256_bf16_host"])
+def test_a_neuron_build_serves_on_the_stand_in_sdk(neuron_checked, variant, tmp_path):
+    """The neuron backend's own loader behind the server (the stand-in SDK, tp_degree 2, a NeuronCore lease): a
+    device-prefill and a host-prefill build answer as generate does; the host-prefill one says what its float model
+    holds on the host."""
+    from openai import OpenAI
+
+    from pipeline.artifact.archive import extract_verified
+    from pipeline.artifact.manifest import Manifest
+
+    from . import fake_sdk
+
+    out, root = neuron_checked
+    assert out.returncode == 0, out.stderr[-3000:]
+    dist = root / "gemma4_tiny" / variant / "dist"
+    manifest = Manifest.read(dist / "manifest.json")
+    pulled = tmp_path / manifest.archive.root
+    extract_verified(dist / manifest.archive.name, manifest, pulled)
+    manifest.write(pulled.with_name(pulled.name + ".manifest.json"))
+    weights = root / "gemma4_tiny" / "weights"
+    env = fake_sdk.env(fake_sdk.install(tmp_path / "sdk"))
+    srv = Server((None, weights, manifest.version), tmp_path, source=[str(pulled)], env=env)
+    try:
+        srv.wait_ready()
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model=manifest.version, max_tokens=8,
+                                              messages=[{"role": "user", "content": QUESTION}])
+        text = chat.choices[0].message.content
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
+    generated = subprocess.run([sys.executable, "-m", "pipeline", "generate", str(pulled), "--checkpoint",
+                                str(weights), "--prompt", QUESTION, "--max-new-tokens", "8"], cwd=REPO,
+                               capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.rstrip("\n") == text
+    said = srv.log.read_text()
+    assert ("host prefill float model" in said) == (variant == "256_bf16_host"), said
+    assert "embedding tables mapped" in said
