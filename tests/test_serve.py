@@ -273,9 +273,15 @@ def test_a_client_that_disconnects_stops_its_decode(server):
     assert response.status == 200
     for _ in range(6):
         response.readline()
+    # A second client gives up while it waits in the queue: its turn, if granted meanwhile, must pass on.
+    queued = HTTPConnection("127.0.0.1", server.port, timeout=60)
+    queued.request("POST", "/generate", json.dumps({"prompt": "hi", "max_tokens": 400}),
+                   {"Content-Type": "application/json"})
+    time.sleep(0.5)
+    queued.close()
     connection.close()
-    # The connection is closed: the next request is served as soon as the decode stops, long before 480 tokens.
-    assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+    # Both connections are closed: the next request is served as soon as the decodes stop, long before 480 tokens.
+    assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}, timeout=60).status == 200
     assert generated() - before < 200
 
 

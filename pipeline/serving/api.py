@@ -210,18 +210,16 @@ class Admission:
         try:
             await asyncio.wait({acquire, closing}, timeout=self.queue_timeout_s,
                                return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the request was cancelled while it waited (its client went away)
+            self._give_back(acquire)
+            raise
         finally:
             self.waiting -= 1
             self.depth.set(self.waiting)
             closing.cancel()
-            if not acquire.done():
-                acquire.cancel()
-            await asyncio.gather(acquire, return_exceptions=True)
-        got = acquire.done() and not acquire.cancelled() and acquire.exception() is None
-        if got and not self.closed:
+        if acquire.done() and not self.closed:
             return
-        if got:
-            self._turn.release()
+        self._give_back(acquire)
         if self.closed:
             raise Refused(503, "the server is shutting down", retry_after_s=5)
         raise Refused(503, f"waited {self.queue_timeout_s:g} s for the requests ahead; retry later",
@@ -229,6 +227,14 @@ class Admission:
 
     def leave(self) -> None:
         self._turn.release()
+
+    def _give_back(self, acquire: asyncio.Future) -> None:
+        """Stop waiting for the turn; if it was granted meanwhile, pass it on (else nobody would ever run again)."""
+        if acquire.done():
+            if not acquire.cancelled() and acquire.exception() is None:
+                self._turn.release()
+        else:
+            acquire.cancel()  # asyncio's Lock.acquire, cancelled, wakes the next waiter itself if it was chosen
 
 
 # -- the service ----------------------------------------------------------------------------------------------------
@@ -435,6 +441,32 @@ def sse(payload) -> str:
 
 # -- the app --------------------------------------------------------------------------------------------------------
 
+class CountRequests:
+    """ASGI middleware: counts each answered request by route and status. A plain ASGI one, not Starlette's
+    ``BaseHTTPMiddleware``, which hands the route a wrapped ``receive`` on which a client's disconnect never shows
+    (a queued request whose client left would then decode in full)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}  # what the server answers for an exception that escapes the app
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")  # set by the router; None for a path no route matches
+            self.counter.labels(route.path if route else "unknown", str(status["code"])).inc()
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="gemma4-neuron-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -447,12 +479,7 @@ def create_app(service: Service) -> FastAPI:
     async def input_error(_: Request, exc: InputError) -> JSONResponse:
         return Refused(400, str(exc)).response()
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        service.metrics.requests.labels(route.path if route else "unknown", str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, counter=service.metrics.requests)
 
     @app.get("/health")
     async def health() -> JSONResponse:
