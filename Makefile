@@ -24,12 +24,6 @@ VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_c
                  tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py \
                  tests/test_serve.py
 VERSION_SLOW_TESTS := tests/test_reproducible.py
-# The lowest pins differ from the production ones only in the pure-Python dependencies: torch 2.8.0 and transformers
-# 5.13.0 are both environments' (tests/test_versions.py holds it so). So test-lowest runs what those dependencies
-# serve: the command line and configuration (Hydra, OmegaConf), the Hub client, signing and archives, the preflight
-# (psutil), the server (FastAPI, uvicorn, the Prometheus and OpenAI clients), one variant end to end.
-LOWEST_TESTS := tests/test_versions.py tests/test_config.py tests/test_pipeline.py tests/test_hub.py \
-                tests/test_integrity.py tests/test_preflight.py tests/test_serve.py
 
 .PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest constraints lint dvc-demo clean-artifacts
 
@@ -71,7 +65,8 @@ test-xla: $(VENV_PRODUCTION)/.installed
 	REQUIRE_TORCH_XLA=1 $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider tests/test_xla.py
 
 test-lowest: $(VENV_LOWEST)/.installed
-	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
 
 # Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
 constraints: $(VENV)/.installed

@@ -174,18 +174,3 @@ def test_the_production_environment_is_the_neuron_extras_torch_and_transformers(
     assert re.fullmatch(r"\d+\.\d+\.\d+", pins["transformers"])
     assert len(pins) > 20  # a resolved environment, every package pinned
 
-
-def test_the_lowest_and_production_environments_share_torch_and_transformers():
-    """make test-lowest leaves the torch- and transformers-bound tests to make test-production (Makefile,
-    LOWEST_TESTS) because the two environments pin the same torch and transformers. Should a floor move off the
-    production pins, those tests belong in test-lowest again."""
-    def pins(name: str) -> dict[str, str]:
-        return dict(line.split("==") for line in (REPO / name).read_text().splitlines()
-                    if "==" in line and not line.startswith("#"))
-
-    lowest, production = pins("constraints-lowest.txt"), pins("constraints-production.txt")
-    # (tokenizers differs, 0.22.1 against 0.22.2: test_pipeline and test_serve, in both, tokenize.)
-    for package in ("torch", "transformers", "safetensors"):
-        assert lowest[package] == production[package], (
-            f"{package}: constraints-lowest.txt pins {lowest[package]}, constraints-production.txt "
-            f"{production[package]}: add the torch-bound tests (VERSION_TESTS) to LOWEST_TESTS in the Makefile")
