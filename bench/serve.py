@@ -100,22 +100,14 @@ def children_rss(pid: int) -> int:
 
 
 def table_bytes(checkpoint: Path) -> int:
-    from safetensors import safe_open
-
+    from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import EMBEDDING_TABLES
+    from pipeline.recipe.spec import load_spec
+    from pipeline.serving.engine import text_prefix_of
 
-    total = 0
-    sizes = {"BF16": 2, "F16": 2, "F32": 4}
-    for path in checkpoint.glob("*.safetensors"):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(EMBEDDING_TABLES):
-                    sl = f.get_slice(key)
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    total += n * sizes[sl.get_dtype()]
-    return total
+    spec = load_spec(checkpoint)
+    with Checkpoint(checkpoint, text_prefix_of(checkpoint)) as ckpt:
+        return sum(ckpt.stored_bytes(name, spec) for name in EMBEDDING_TABLES)
 
 
 def free_port() -> int:

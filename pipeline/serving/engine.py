@@ -30,7 +30,8 @@ from pipeline.backends import get_backend
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
-from pipeline.validation.generation import Generator, check_fits
+from pipeline.validation.generation import Generator
+from pipeline.validation.prompts import messages_ids
 
 WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
 
@@ -95,7 +96,6 @@ class Engine:
         self._stack = contextlib.ExitStack()
         self.tokenizer = None
         self.generator: Generator | None = None
-        self.eos_ids: frozenset[int] = frozenset()
         self.host_bytes: dict[str, int] = {}
 
     def verify(self) -> None:
@@ -123,7 +123,6 @@ class Engine:
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
         runner = self._stack.enter_context(get_backend(self.manifest.backend).load(self.build, self.shape))
         self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
-        self.eos_ids = frozenset(spec.eos_token_ids)
         started = time.perf_counter()
         for _ in self.decode(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, (), threading.Event()):
             pass
@@ -136,9 +135,7 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------------------------
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The chat template applied to ``messages`` (role and text content each), with the generation prompt."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return messages_ids(self.tokenizer, messages)
 
     def text_ids(self, prompt: str) -> list[int]:
         """A raw completion prompt: the tokenizer's own special tokens (BOS), no chat template."""
@@ -148,9 +145,6 @@ class Engine:
         """How many new tokens the build's cache holds after a prompt of this length."""
         return self.shape.kv_max - prompt_tokens
 
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        check_fits(prompt_tokens, max_tokens, self.shape)
-
     def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...],
                cancel: threading.Event) -> Iterator[Piece | Finish]:
         """Greedy decode: a ``Piece`` per token, then one ``Finish``. Stops at an end-of-sequence token (not shown),
@@ -158,7 +152,7 @@ class Engine:
         tokens: list[int] = []
         shown = 0  # characters of the generated text already given out
         for step in self.generator.steps(ids, max_tokens):
-            if step.token in self.eos_ids:
+            if step.token in self.generator.eos_ids:
                 text = self._text(tokens)
                 yield Finish("stop", text[shown:], len(tokens) + 1)
                 return

@@ -10,10 +10,14 @@ from pipeline.config import PromptConfig
 from pipeline.models.texts import PASSAGES
 
 
-def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+def messages_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template applied to ``messages`` (role and text content each), with the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    return messages_ids(tokenizer, [{"role": "user", "content": content}])
 
 
 def build_prompt(tokenizer, prompt: PromptConfig) -> tuple[str, list[int]]:
