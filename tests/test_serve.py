@@ -259,6 +259,42 @@ def test_concurrent_clients_are_answered_or_refused_never_lost_or_mixed_up(publi
         assert srv.stop() == 0
 
 
+def test_the_queue_bound_holds_for_requests_arriving_together_and_during_a_hand_over():
+    """Admission alone, on one event loop, with a queue of two: six requests arriving in one tick, then two arriving
+    while the turn passes from one request to the next. asyncio's ``Lock.locked()`` is False in both moments (CI
+    let five wait behind a bound of two when the bound was read from it)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from pipeline.serving.api import Admission, Refused
+
+    async def scenario() -> tuple[list, list, list[int], int]:
+        admission = Admission(queue_size=2, queue_timeout_s=30, depth=Gauge("d", "", registry=CollectorRegistry()))
+        order: list[int] = []
+
+        async def request(i: int) -> None:
+            await admission.enter()
+            order.append(i)
+            await asyncio.sleep(0.01)
+            admission.leave()
+
+        together = await asyncio.gather(*(request(i) for i in range(6)), return_exceptions=True)
+        await admission.enter()  # this coroutine holds the turn
+        queued = [asyncio.ensure_future(request(i)) for i in (11, 12)]
+        await asyncio.sleep(0.01)  # both wait
+        admission.leave()  # hand-over: 11 is woken but has not run yet; 12 still waits
+        late = await asyncio.gather(request(13), request(14), return_exceptions=True)
+        await asyncio.gather(*queued)
+        return together, late, order, admission.admitted
+
+    together, late, order, admitted = asyncio.run(scenario())
+    assert together[:3] == [None] * 3
+    assert all(isinstance(r, Refused) and r.status == 429 for r in together[3:]), together
+    assert late[0] is None and isinstance(late[1], Refused) and late[1].status == 429, late
+    assert order == [0, 1, 2, 11, 12, 13] and admitted == 0
+
+
 def test_a_client_that_disconnects_stops_its_decode(server):
     def generated() -> float:
         lines = server.get("/metrics").text.splitlines()

@@ -181,13 +181,21 @@ def describe_validation(exc: ValidationError) -> Refused:
 
 class Admission:
     """One request decodes at a time; at most ``queue_size`` wait, each at most ``queue_timeout_s`` (FIFO: asyncio's
-    lock wakes its waiters in order)."""
+    lock wakes its waiters in order).
+
+    The bound is counted here, synchronously, not read from the lock: ``Lock.locked()`` is False between one
+    holder's release and the next waiter's wake-up, and before a first request's acquire has run, so requests
+    arriving in those moments would all pass a ``locked()`` check (CI saw five waiting behind a bound of two)."""
 
     def __init__(self, queue_size: int, queue_timeout_s: float, depth: Gauge):
         self.queue_size, self.queue_timeout_s, self.depth = queue_size, queue_timeout_s, depth
         self._turn = asyncio.Lock()
         self._closed = asyncio.Event()
-        self.waiting = 0
+        self.admitted = 0  # the request decoding (or about to) plus those waiting behind it
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self.admitted - 1)
 
     def close(self) -> None:
         self._closed.set()
@@ -200,11 +208,10 @@ class Admission:
         """Return holding the turn, or raise ``Refused`` (queue full: 429; waited too long, or closing: 503)."""
         if self.closed:
             raise Refused(503, "the server is shutting down", retry_after_s=5)
-        if self._turn.locked() and self.waiting >= self.queue_size:
+        if self.admitted > self.queue_size:  # one decoding and queue_size waiting
             raise Refused(429, f"{self.waiting} requests are already waiting (the queue holds {self.queue_size}); "
                                "retry later", retry_after_s=max(1, round(self.queue_timeout_s / 4)))
-        self.waiting += 1
-        self.depth.set(self.waiting)
+        self._count(+1)
         acquire = asyncio.ensure_future(self._turn.acquire())
         closing = asyncio.ensure_future(self._closed.wait())
         try:
@@ -214,8 +221,6 @@ class Admission:
             self._give_back(acquire)
             raise
         finally:
-            self.waiting -= 1
-            self.depth.set(self.waiting)
             closing.cancel()
         if acquire.done() and not self.closed:
             return
@@ -227,9 +232,15 @@ class Admission:
 
     def leave(self) -> None:
         self._turn.release()
+        self._count(-1)
+
+    def _count(self, step: int) -> None:
+        self.admitted += step
+        self.depth.set(self.waiting)
 
     def _give_back(self, acquire: asyncio.Future) -> None:
-        """Stop waiting for the turn; if it was granted meanwhile, pass it on (else nobody would ever run again)."""
+        """Leave the queue; if the turn was granted meanwhile, pass it on (else nobody would ever run again)."""
+        self._count(-1)
         if acquire.done():
             if not acquire.cancelled() and acquire.exception() is None:
                 self._turn.release()
