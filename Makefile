@@ -25,7 +25,8 @@ VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_c
                  tests/test_serve.py
 VERSION_SLOW_TESTS := tests/test_reproducible.py
 
-.PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest constraints lint dvc-demo clean-artifacts
+.PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest test-cluster slurm-packages \
+	constraints lint dvc-demo clean-artifacts
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +69,22 @@ test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
 	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
 
+# Across hosts (tests/test_slurm.py, tests/test_s3.py, marked cluster): a one-node Slurm cluster with accounting, and
+# moto's S3 server, started on this machine by the tests. Needs root; installs Debian's packages when missing.
+SLURM_PACKAGES := slurm-wlm slurmdbd munge mariadb-server
+slurm-packages:
+	@if ! command -v slurmctld >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v munged >/dev/null \
+		|| ! command -v mariadbd >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(SLURM_PACKAGES); fi
+
+$(VENV)/.installed-cluster-tests: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev,cluster-tests]' -c constraints.txt
+	touch $@
+
+test-cluster: slurm-packages $(VENV)/.installed-cluster-tests
+	REQUIRE_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m cluster tests/test_slurm.py tests/test_s3.py
+
 # Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
 constraints: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
@@ -95,7 +112,7 @@ test-full: $(VENV)/.installed
 	$(PY) -m pytest -q -m ""
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check pipeline tests bench
+	$(VENV)/bin/ruff check pipeline tests bench hydra_plugins
 
 dvc-demo: $(VENV)/.installed
 	. $(VENV)/bin/activate && dvc repro

@@ -2,7 +2,9 @@
 # Scheduled rebuild of every variant when the Neuron compiler stack has a new release.
 #
 # Run from a checkout on an inf2 host (the GitHub Actions workflow and the systemd service both call this):
-#   1. dvc pull      restore the last build's outputs from the DVC remote, so unchanged stages are not rebuilt;
+#   1. check-remote  refuse, before any build work, a DVC remote this host cannot read and write (a bucket that does
+#                    not exist, credentials it refuses: pipeline/cli/remote.py);
+#      dvc pull      restore the last build's outputs from the DVC remote, so unchanged stages are not rebuilt;
 #   2. check-upgrades (Neuron packages from the Neuron repository only): exit 0 up to date, 3 an upgrade is available,
 #      4 the repository has a release newer than pipeline/backends/neuron_sdk.py's table (stop: add its row),
 #      anything else an error (stop here);
@@ -16,7 +18,9 @@
 #   CHECK_ARGS="..."      extra arguments for check-upgrades (e.g. --neuron-index URL, a mirror of the Neuron repository)
 #   REPRO_ARGS="..."      extra arguments for dvc repro when no upgrade is applied (e.g. --dry); --force re-runs
 #                         the commands, and each stage still skips what is up to date (force=true rebuilds)
-#   SKIP_DVC_REMOTE=1     no dvc pull / dvc push (no remote configured)
+#   SKIP_DVC_REMOTE=1     no check-remote / dvc pull / dvc push (no remote configured)
+# The remote's credentials come from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE)
+# or the instance role; nothing here prints them.
 # Exit status: 0 when the build (if any) and the push succeeded, otherwise the failing step's status.
 set -eu
 
@@ -35,8 +39,10 @@ case "$UPGRADE" in
 esac
 
 if [ "${SKIP_DVC_REMOTE:-0}" != 1 ]; then
-    # A first run has nothing on the remote yet; missing outputs are rebuilt by dvc repro.
-    dvc pull --allow-missing || log "dvc pull did not restore everything; dvc repro rebuilds what is missing"
+    python -m pipeline check-remote
+    # A first run has nothing on the remote yet: --allow-missing leaves what the remote lacks to dvc repro. Any other
+    # failure of the pull stops here, before hours of building that could not be pushed.
+    dvc pull --allow-missing
 fi
 
 status=0

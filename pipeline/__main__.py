@@ -3,10 +3,11 @@
 Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
 ``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/cli/generate.py),
 ``python -m pipeline serve SOURCE [VERSION] --checkpoint DIR`` (pipeline/cli/serve.py: an OpenAI-compatible server),
-``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting) and
+``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting),
 ``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
-repository?) and
-``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout).
+repository?),
+``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout) and
+``python -m pipeline check-remote`` (pipeline/cli/remote.py: can this host read and write the DVC remote?).
 
 Runs the stages of docs/design.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -76,6 +77,12 @@ def _neuron_check(argv: list[str]) -> int:
     return check_main(argv)
 
 
+def _check_remote(argv: list[str]) -> int:
+    from pipeline.cli.remote import main as remote_main
+
+    return remote_main(argv)
+
+
 SUBCOMMANDS = {  # name: (entry point, what it does)
     "pull": (_pull, "fetch a published version (or a variant's newest), verify it, unpack it for serving"),
     "generate": (_generate, "run a pulled or built version on a prompt (greedy), with its timing"),
@@ -84,6 +91,7 @@ SUBCOMMANDS = {  # name: (entry point, what it does)
     "check-upgrades": (_check_upgrades, "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
                                         "then rebuild)"),
     "neuron-check": (_neuron_check, "the first run on an inf2 host: every layout, built and checked"),
+    "check-remote": (_check_remote, "can this host read and write the DVC remote? (before a rebuild's build work)"),
 }
 
 

@@ -22,9 +22,13 @@ case "{name} $*" in
     "python -m pipeline check-upgrades"*) exit "${{CHECK_STATUS:-0}}" ;;
     "dvc repro"*) exit "${{REPRO_STATUS:-0}}" ;;
     "dvc pull"*) exit "${{PULL_STATUS:-0}}" ;;
+    "python -m pipeline check-remote"*) exit "${{REMOTE_STATUS:-0}}" ;;
 esac
 exit 0
 """
+
+
+PULL = ["python -m pipeline check-remote", "dvc pull --allow-missing"]
 
 
 def rebuild(tmp_path: Path, **env: str) -> tuple[int, list[str], str]:
@@ -52,13 +56,13 @@ def test_the_rebuild_script_is_valid_shell():
 def test_up_to_date_rebuilds_only_what_changed_and_pushes(tmp_path):
     status, ran, _ = rebuild(tmp_path, CHECK_STATUS="0")
     assert status == 0
-    assert ran == ["dvc pull --allow-missing", "python -m pipeline check-upgrades", "dvc repro", "dvc push"]
+    assert ran == [*PULL, "python -m pipeline check-upgrades", "dvc repro", "dvc push"]
 
 
 def test_an_upgrade_is_applied_then_pushed(tmp_path):
     status, ran, _ = rebuild(tmp_path, CHECK_STATUS="3", CHECK_ARGS="--neuron-index https://example.invalid/simple")
     assert status == 0
-    assert ran == ["dvc pull --allow-missing",
+    assert ran == [*PULL,
                    "python -m pipeline check-upgrades --neuron-index https://example.invalid/simple",
                    "python -m pipeline check-upgrades --apply --neuron-index https://example.invalid/simple",
                    "dvc push"]
@@ -67,7 +71,7 @@ def test_an_upgrade_is_applied_then_pushed(tmp_path):
 def test_check_only_reports_an_upgrade_and_builds_nothing(tmp_path):
     status, ran, err = rebuild(tmp_path, CHECK_STATUS="3", UPGRADE="check")
     assert status == 3
-    assert ran == ["dvc pull --allow-missing", "python -m pipeline check-upgrades"]
+    assert ran == [*PULL, "python -m pipeline check-upgrades"]
     assert "not applied" in err
 
 
@@ -84,10 +88,14 @@ def test_a_failed_step_stops_before_the_push(tmp_path, env, expected_status, las
     assert "dvc push" not in ran
 
 
-def test_an_empty_remote_does_not_stop_the_first_build(tmp_path):
-    status, ran, err = rebuild(tmp_path, PULL_STATUS="1")
-    assert status == 0 and ran[-1] == "dvc push"
-    assert "dvc repro rebuilds what is missing" in err
+@pytest.mark.parametrize("env, last_call", [
+    ({"REMOTE_STATUS": "1"}, "python -m pipeline check-remote"),  # no bucket, refused credentials: nothing built
+    ({"PULL_STATUS": "1"}, "dvc pull --allow-missing"),  # --allow-missing lets an empty remote pass; not this
+])
+def test_a_remote_that_cannot_be_used_stops_before_any_build_work(tmp_path, env, last_call):
+    status, ran, _ = rebuild(tmp_path, **env)
+    assert status == 1 and ran[-1] == last_call
+    assert not any(call.startswith(("dvc repro", "python -m pipeline check-upgrades")) for call in ran)
 
 
 def test_without_a_remote_and_with_a_bad_setting(tmp_path):

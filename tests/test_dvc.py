@@ -21,7 +21,8 @@ from . import fake_sdk
 from .helpers import stand_in_floors
 
 REPO = Path(__file__).resolve().parent.parent
-COPY = ["conf", "pipeline", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore", ".gitignore"]
+COPY = ["conf", "pipeline", "hydra_plugins", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore",
+        ".gitignore"]
 VARIANTS = ["512_fp32", "256_bf16_host"]
 
 

@@ -258,12 +258,12 @@ def test_the_schedule_command_reports_needs_and_budget(tmp_path):
 
 # -- Hydra's launchers (a joblib sweep through DVC: tests/test_dvc.py) -------------------------------------------------
 
-def test_the_inf2_slurm_launcher_composes_over_submitit():
+def test_the_inf2_slurm_launcher_composes_over_the_pipelines_slurm_launcher():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "hydra/launcher=inf2_slurm",
                            "hydra.launcher.partition=inf2", "+variant=512_bf16", "--cfg", "hydra"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     launcher = yaml.safe_load(proc.stdout)["hydra"]["launcher"]
-    assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher["_target_"] == "hydra_plugins.gemma4_pipeline_slurm.launcher.PipelineSlurmLauncher"
     assert launcher["partition"] == "inf2" and launcher["cpus_per_task"] == 32 and launcher["nodes"] == 1
     assert launcher["additional_parameters"] == {"exclusive": True}
