@@ -290,10 +290,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.reply(200, {"files": files})
 
     def lfs_batch(self, repo_id):
+        """The LFS batch API. The server picks the transfer from those the client offers (git-lfs's batch API), and
+        the Hub's repositories are Xet-backed, so a client that offers ``xet`` gets it: huggingface_hub 1.x offers it
+        whenever hf_xet is installed and uploads through Xet only when the answer names it (_commit_api._upload_files,
+        "Negotiates per-file transfer (LFS vs Xet)"); 2.x skips this call and goes to Xet directly."""
         if self.repo(repo_id) is None or not self.writable(repo_id):
             return
+        body = json.loads(self.body())
+        if "xet" in body.get("transfers", ["basic"]):
+            self.reply(200, {"transfer": "xet", "objects": [{"oid": o["oid"], "size": o["size"]}
+                                                            for o in body["objects"]]})
+            return
         objects = []
-        for obj in json.loads(self.body())["objects"]:
+        for obj in body["objects"]:
             entry = {"oid": obj["oid"], "size": obj["size"]}
             if obj["oid"] not in self.hub.lfs:
                 entry["actions"] = {"upload": {"href": f"{self.hub.url}/lfs-upload/{obj['oid']}"},
