@@ -18,11 +18,12 @@ TORCH_INDEX ?=
 VENV_PRODUCTION ?= .venv-production
 VENV_LOWEST ?= .venv-lowest
 # The recipe, the cpu backend, the reference, validation and one variant end to end; and the neuron backend on the
-# stand-in SDK and its contract checks (an inf2 host runs torch 2.8); and, marked slow, the same bytes from two
-# checkouts (each torch's TorchScript writer).
+# stand-in SDK and its contract checks (an inf2 host runs torch 2.8); serve; the preflight's measured peaks against its
+# estimates (each torch's allocator); publishing to the test Hub (each huggingface_hub's upload path); and, marked
+# slow, the same bytes from two checkouts (each torch's TorchScript writer).
 VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
                  tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py \
-                 tests/test_serve.py
+                 tests/test_serve.py tests/test_preflight.py tests/test_hub.py
 VERSION_SLOW_TESTS := tests/test_reproducible.py
 
 .PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest test-cluster slurm-packages \

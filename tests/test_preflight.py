@@ -168,7 +168,7 @@ def test_a_checkpoint_is_judged_by_its_own_size(tmp_path):
 
     six = trace_need_of(e4b_config(tmp_path / "e4b_6_layers", layers=6))
     assert "(2 rank(s) of 1.18 GiB of weights)" in six.what
-    assert six.memory < 12 * GIB and decide(six, host(THIS_HOST_GIB)) == []
+    assert six.memory < 28 * GIB / 2 and decide(six, host(THIS_HOST_GIB)) == []  # half what E4B's conf declared
     full = trace_need_of(e4b_config(tmp_path / "e4b"))
     assert full.memory > 2 * six.memory
     problems = decide(full, host(16))  # the whole E4B on a small host: still refused, with the numbers and the fix
