@@ -38,15 +38,12 @@ def timed(argv: list[str], env: dict, log: Path) -> tuple[float, str]:
     return seconds, proc.stderr
 
 
-def job_times(env: dict, job_ids: list[str]) -> list[tuple[str, float, float]]:
+def job_times(cluster, job_ids: list[str]) -> list[tuple[str, float, float]]:
     """Each job's name, seconds from submission to start, and from start to end (sacct: whole seconds)."""
-    argv = ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName%40,Submit,Start,End", "-j", ",".join(job_ids)]
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
     rows = []
-    for line in out.splitlines():
-        _, name, submit, start, end = line.split("|")
-        submit_t, start_t, end_t = (datetime.fromisoformat(t) for t in (submit, start, end))
-        rows.append((name, (start_t - submit_t).total_seconds(), (end_t - start_t).total_seconds()))
+    for job in cluster.jobs(job_ids):
+        submit, start, end = (datetime.fromisoformat(job[key]) for key in ("submit", "start", "end"))
+        rows.append((job["name"], (start - submit).total_seconds(), (end - start).total_seconds()))
     return rows
 
 
@@ -73,7 +70,7 @@ def main() -> None:
         print(f"variants: {args.variants} (cpu backend, tiny model, from scratch)")
         print(f"local launcher (basic): {local_s:7.1f} s")
         print(f"Slurm (pipeline_slurm): {slurm_s:7.1f} s   ratio Slurm/local {slurm_s / local_s:.2f}")
-        for name, waited, ran in job_times(env, job_ids):
+        for name, waited, ran in job_times(cluster, job_ids):
             print(f"  {name}: submitted to started {waited:3.0f} s, ran {ran:3.0f} s (sacct, whole seconds)")
         print(f"Slurm's cost per job: {(slurm_s - local_s) / len(job_ids):.1f} s (the wall-time difference over "
               f"{len(job_ids)} jobs; a job that waits for the one before it to free the node's CPUs waits as long as "

@@ -92,6 +92,21 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.root / "slurm.conf")}
 
+    def jobs(self, job_ids: list[str] | None = None) -> list[dict]:
+        """The jobs sacct knows of (all, or ``job_ids``): id, name, state, requested memory (MiB) and CPUs, node, and
+        the submit, start and end times as sacct prints them."""
+        fields = "JobID,JobName%40,State,ReqMem,ReqCPUS,NodeList,Submit,Start,End"
+        which = ["-j", ",".join(job_ids)] if job_ids else ["-S", "2000-01-01"]
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", fields, *which], capture_output=True, text=True,
+                             env={**os.environ, **self.env()}, timeout=60, check=True).stdout
+        rows = []
+        for line in out.splitlines():
+            job_id, name, state, mem, cpus, node, submit, start, end = line.split("|")
+            size = {"M": 1, "G": 1024}[mem[-1]] * int(float(mem[:-1]))
+            rows.append({"id": job_id, "name": name, "state": state.split()[0], "mem_mb": size, "cpus": int(cpus),
+                         "node": node, "submit": submit, "start": start, "end": end})
+        return rows
+
     # -- processes -----------------------------------------------------------------------------------------------
 
     def spawn(self, argv: list[str], name: str) -> subprocess.Popen:

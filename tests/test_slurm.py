@@ -46,23 +46,12 @@ def slurm(cluster, *argv: str) -> str:
     return out.stdout
 
 
-def jobs(cluster) -> list[dict]:
-    """Every job sacct knows of: id, name, state, requested memory (MiB) and CPUs, submit and start times."""
-    fields = "JobID,JobName%40,State,ReqMem,ReqCPUS,NodeList,Submit,Start"
-    out = slurm(cluster, "sacct", "-X", "-n", "-P", "-o", fields, "-S", "2000-01-01")
-    rows = []
-    for line in out.splitlines():
-        job_id, name, state, mem, cpus, node, submit, start = line.split("|")
-        size = {"M": 1, "G": 1024}[mem[-1]] * int(float(mem[:-1]))
-        rows.append({"id": job_id, "name": name, "state": state.split()[0], "mem_mb": size, "cpus": int(cpus),
-                     "node": node, "submit": submit, "start": start})
-    return rows
+SWEEP = [sys.executable, "-m", "pipeline", "--multirun", "hydra/launcher=pipeline_slurm",
+         f"hydra.launcher.partition={PARTITION}"]  # the recipe's command, overrides to follow
 
 
 def sweep(cluster, cwd: Path, *overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "pipeline", "--multirun", "hydra/launcher=pipeline_slurm",
-            f"hydra.launcher.partition={PARTITION}", *overrides]
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([*SWEEP, *overrides], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **cluster.env()})
 
 
@@ -71,12 +60,12 @@ def test_the_cluster_recipe_runs_each_variant_as_a_slurm_job_sized_by_the_prefli
     after which ``dvc repro`` runs only the toolchain stage."""
     repo = checkout_copy(tmp_path / "repo", VARIANTS, quicker_validation)
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    before = {job["id"] for job in jobs(cluster)}
+    before = {job["id"] for job in cluster.jobs()}
     out = sweep(cluster, repo, f"+variant={','.join(VARIANTS)}", f"model={params['model']}",
                 f"backend={params['backend']}", f"publish={params['publish']}", f"hardware={params['hardware']}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     asked = dict(re.findall(r"slurm: job (\d+) for \S+: (\d+) GiB of memory", out.stderr))
-    ran_here = [job for job in jobs(cluster) if job["id"] not in before]
+    ran_here = [job for job in cluster.jobs() if job["id"] not in before]
     assert sorted(job["id"] for job in ran_here) == sorted(asked)
     for job in ran_here:  # under Slurm, on its node, with what the preflight said
         assert job["state"] == "COMPLETED" and job["node"] == cluster.node_name, job
@@ -88,60 +77,58 @@ def test_the_cluster_recipe_runs_each_variant_as_a_slurm_job_sized_by_the_prefli
 
 
 def test_a_variant_no_node_can_hold_is_refused_before_anything_is_submitted(cluster, tmp_path):
-    before = jobs(cluster)
+    before = cluster.jobs()
     out = sweep(cluster, REPO, "+variant=512_fp32", "backend=cpu", f"artifacts_dir={tmp_path / 'artifacts'}",
                 "model.resources.cpu.validate_gb=4000")
     assert out.returncode == 1, out.stderr[-3000:]
     assert re.search(r"no node of partition 'inf2' can run 512_fp32: 400\d GiB of memory, 2 CPU\(s\) \(its largest "
                      r"node has [\d.]+ GiB and \d+ CPUs\)", out.stderr), out.stderr[-3000:]
-    assert jobs(cluster) == before and not (tmp_path / "artifacts" / "gemma4_tiny").exists()  # (Hydra's log only)
+    assert cluster.jobs() == before and not (tmp_path / "artifacts" / "gemma4_tiny").exists()  # (Hydra's log only)
 
 
 def test_a_partition_that_does_not_exist_and_a_cluster_that_is_down_are_refused(cluster, tmp_path):
-    before = jobs(cluster)
+    before = cluster.jobs()
     missing = sweep(cluster, REPO, "+variant=512_fp32", "backend=cpu", f"artifacts_dir={tmp_path / 'a'}",
                     "hydra.launcher.partition=nope")
     assert missing.returncode == 1 and "hydra.launcher.partition='nope': the Slurm cluster has no such partition" \
         in missing.stderr and f"sinfo lists ['{PARTITION}']" in missing.stderr, missing.stderr[-3000:]
     down = tmp_path / "down.conf"
     down.write_text(re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=9", (cluster.root / "slurm.conf").read_text()))
-    refused = subprocess.run([sys.executable, "-m", "pipeline", "--multirun", "hydra/launcher=pipeline_slurm",
-                              "+variant=512_fp32", "backend=cpu", f"artifacts_dir={tmp_path / 'a'}"], cwd=REPO,
+    refused = subprocess.run([*SWEEP, "+variant=512_fp32", "backend=cpu", f"artifacts_dir={tmp_path / 'a'}"], cwd=REPO,
                              capture_output=True, text=True, timeout=300, env={**os.environ, "SLURM_CONF": str(down)})
     assert refused.returncode == 1 and "the Slurm cluster does not answer" in refused.stderr, refused.stderr[-3000:]
-    assert jobs(cluster) == before and not (tmp_path / "a" / "gemma4_tiny").exists()  # (Hydra's log only)
+    assert cluster.jobs() == before and not (tmp_path / "a" / "gemma4_tiny").exists()  # (Hydra's log only)
 
 
 def test_an_account_that_does_not_exist_is_refused_before_anything_is_submitted(cluster, tmp_path):
     """Slurm itself judges the account (``sbatch --test-only``, for every job before the first is submitted); the
     cluster enforces associations, as a shared cluster's accounting does."""
-    before = jobs(cluster)
+    before = cluster.jobs()
     out = sweep(cluster, REPO, "+variant=512_fp32,512_bf16", "backend=cpu", f"artifacts_dir={tmp_path / 'a'}",
                 "hydra.launcher.account=nope")
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Slurm refuses the job for 512_fp32" in out.stderr and "hydra.launcher.account='nope'" in out.stderr \
         and "Invalid account" in out.stderr and "sacctmgr show associations" in out.stderr, out.stderr[-3000:]
-    assert jobs(cluster) == before and not (tmp_path / "a" / "gemma4_tiny").exists()
+    assert cluster.jobs() == before and not (tmp_path / "a" / "gemma4_tiny").exists()
 
 
 def test_two_jobs_of_one_variant_build_it_once(cluster, tmp_path):
     """Two sweeps submit the same variant at once into one artifacts_dir, each job given one CPU so that Slurm runs
     both side by side on the node: the stage locks hold across the jobs, one traces and the other finds it built."""
     artifacts = tmp_path / "artifacts"
-    before = {job["id"] for job in jobs(cluster)}
+    before = {job["id"] for job in cluster.jobs()}
     env = {**os.environ, **cluster.env()}
     sweeps = []
     for name in ("a", "b"):
-        argv = [sys.executable, "-m", "pipeline", "--multirun", "hydra/launcher=pipeline_slurm",
-                f"hydra.launcher.partition={PARTITION}", f"hydra.launcher.account={ACCOUNT}",
-                "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={tmp_path / name}", "+variant=512_fp32",
-                "backend=cpu", f"artifacts_dir={artifacts}", *FAST]
+        argv = [*SWEEP, f"hydra.launcher.account={ACCOUNT}", "hydra.launcher.cpus_per_task=1",
+                f"hydra.sweep.dir={tmp_path / name}", "+variant=512_fp32", "backend=cpu", f"artifacts_dir={artifacts}",
+                *FAST]
         sweeps.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env=env))
     for proc in sweeps:
         _, err = proc.communicate(timeout=1200)
         assert proc.returncode == 0, err[-3000:]
-    ran_here = [job for job in jobs(cluster) if job["id"] not in before]
+    ran_here = [job for job in cluster.jobs() if job["id"] not in before]
     assert len(ran_here) == 2 and all(job["state"] == "COMPLETED" and job["cpus"] == 1 for job in ran_here)
     logs = "".join(p.read_text() for name in ("a", "b") for p in (tmp_path / name / ".submitit").rglob("*_log.err"))
     assert logs.count("trace: 512_fp32 built in") == 1, logs[-4000:]
@@ -151,9 +138,7 @@ def test_two_jobs_of_one_variant_build_it_once(cluster, tmp_path):
 
 def test_a_cancelled_job_leaves_no_partial_output_and_resubmitting_completes_it(cluster, tmp_path):
     artifacts = tmp_path / "artifacts"
-    args = [sys.executable, "-m", "pipeline", "--multirun", "hydra/launcher=pipeline_slurm",
-            f"hydra.launcher.partition={PARTITION}", "+variant=512_fp32", "backend=cpu", f"artifacts_dir={artifacts}",
-            *FAST]
+    args = [*SWEEP, "+variant=512_fp32", "backend=cpu", f"artifacts_dir={artifacts}", *FAST]
     env = {**os.environ, **cluster.env()}
     first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     variant_dir = artifacts / "gemma4_tiny" / "512_fp32"
@@ -161,11 +146,11 @@ def test_a_cancelled_job_leaves_no_partial_output_and_resubmitting_completes_it(
     while not any(p.name.startswith(".") and "tmp" in p.name for p in variant_dir.glob(".*")) and \
             time.monotonic() < deadline:  # the trace's staging directory: the job is mid-build
         time.sleep(0.2)
-    running = [job for job in jobs(cluster) if job["state"] == "RUNNING"]
+    running = [job for job in cluster.jobs() if job["state"] == "RUNNING"]
     assert len(running) == 1, running
     slurm(cluster, "scancel", running[0]["id"])
     first.communicate(timeout=300)
-    assert next(j for j in jobs(cluster) if j["id"] == running[0]["id"])["state"] == "CANCELLED"
+    assert next(j for j in cluster.jobs() if j["id"] == running[0]["id"])["state"] == "CANCELLED"
     # Nothing half-written: no build, no record. (submitit lets Slurm's SIGTERM pass, so the job dies of the SIGKILL
     # that follows; its staging directory stays until the next trace removes it.)
     assert not (variant_dir / "build").exists() and not (variant_dir / "build.json").exists()

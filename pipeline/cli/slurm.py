@@ -13,7 +13,6 @@ for every variant before the first one is submitted.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from dataclasses import dataclass
 
@@ -60,7 +59,7 @@ def partition_nodes(partition: str | None) -> list[Node]:
     """The nodes of ``partition`` (the default partition when None), as ``sinfo`` reports them."""
     argv = ["sinfo", "-h", "-N", "-o", "%N %c %m"] + (["-p", partition] if partition else [])
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=os.environ)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise PipelineError("hydra/launcher=pipeline_slurm: sinfo is not installed here: submit from a host of the "
                             "Slurm cluster (one with the Slurm client commands)") from None
@@ -88,16 +87,14 @@ def available_partitions() -> list[str]:
 
 def check_submittable(requests: list[Request], partition: str | None, account: str | None, qos: str | None) -> None:
     """Ask Slurm whether it would accept each job (``sbatch --test-only``: validated, never queued)."""
+    given = {key: value for key, value in (("partition", partition), ("account", account), ("qos", qos)) if value}
     for request in requests:
         argv = ["sbatch", "--test-only", f"--mem={request.mem_gb}G", f"--cpus-per-task={request.cpus}",
-                f"--job-name=pipeline-{request.variant}", "--wrap=true"]
-        argv += [f"--{flag}={value}" for flag, value in (("partition", partition), ("account", account),
-                                                          ("qos", qos)) if value]
+                f"--job-name=pipeline-{request.variant}", "--wrap=true", *(f"--{k}={v}" for k, v in given.items())]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             said = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
-            settings = ", ".join(f"hydra.launcher.{key}={value!r}" for key, value in
-                                 (("partition", partition), ("account", account), ("qos", qos)) if value)
+            settings = ", ".join(f"hydra.launcher.{key}={value!r}" for key, value in given.items())
             raise PipelineError(f"hydra/launcher=pipeline_slurm: Slurm refuses the job for {request.describe()} "
                                 f"({settings or 'the defaults'}): {said}. Use an account and QOS you belong to "
                                 "(sacctmgr show associations user=$USER format=cluster,account,partition,qos); "
