@@ -17,17 +17,20 @@ TORCH_INDEX ?=
 # Both pin every package; regenerate the pins with `make constraints` after changing a range in pyproject.toml.
 VENV_PRODUCTION ?= .venv-production
 VENV_LOWEST ?= .venv-lowest
-# The recipe, the cpu backend, the reference, validation and one variant end to end; and the neuron backend on the
-# stand-in SDK and its contract checks (an inf2 host runs torch 2.8); serve; the preflight's measured peaks against its
-# estimates (each torch's allocator); publishing to the test Hub (each huggingface_hub's upload path); and, marked
-# slow, the same bytes from two checkouts (each torch's TorchScript writer).
-VERSION_TESTS := tests/test_versions.py tests/test_spec_and_plan.py tests/test_cpu_backend.py \
-                 tests/test_validation.py tests/test_pipeline.py tests/test_neuron_contract.py tests/test_fake_neuron.py \
-                 tests/test_serve.py tests/test_preflight.py tests/test_hub.py
-VERSION_SLOW_TESTS := tests/test_reproducible.py
+# What differs between versions is marked across_versions in the tests (pyproject.toml says which marker means what):
+# the recipe, the cpu backend against transformers' reference, validation's numerics and one variant end to end; the
+# neuron backend on the stand-in SDK and its contract checks (an inf2 host runs torch 2.8); serve (FastAPI, uvicorn,
+# the openai client); the preflight's measured peaks against its estimates (each torch's allocator); publishing to the
+# test Hub (each huggingface_hub's upload path); and, marked slow too, the same bytes from two checkouts (each
+# torch's TorchScript writer).
+VERSION_MARKS := across_versions and not cluster and not container
+# Every pytest run below uses both cores (pytest-xdist; tests/conftest.py builds what tests share once per run).
+# PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS)
 
 .PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest test-cluster slurm-packages \
-	constraints lint dvc-demo clean-artifacts
+	constraints lock lint dvc-demo clean-artifacts container-packages container-base test-container
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +46,7 @@ demo: $(VENV)/.installed
 PYTEST_ARGS ?=
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 $(VENV_PRODUCTION)/.installed: pyproject.toml constraints-production.txt
 	$(PYTHON) -m venv $(VENV_PRODUCTION)
@@ -58,17 +61,15 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
 	touch $@
 
 test-production: $(VENV_PRODUCTION)/.installed
-	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
-	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
+	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "$(VERSION_MARKS)"
 
 # backend=xla (tests/test_xla.py): the recipe's graphs lowered by torch-xla 2.8 on its CPU device, checked, and run
 # through validate. torch-xla needs the production pins' torch 2.8, so it lives in that environment ([xla] extra).
 test-xla: $(VENV_PRODUCTION)/.installed
-	REQUIRE_TORCH_XLA=1 $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider tests/test_xla.py
+	REQUIRE_TORCH_XLA=1 $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) tests/test_xla.py
 
 test-lowest: $(VENV_LOWEST)/.installed
-	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS)
-	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider -m slow $(VERSION_SLOW_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "$(VERSION_MARKS)"
 
 # Across hosts (tests/test_slurm.py, tests/test_s3.py, marked cluster): a one-node Slurm cluster with accounting, and
 # moto's S3 server, started on this machine by the tests. Needs root; installs Debian's packages when missing.
@@ -86,6 +87,21 @@ $(VENV)/.installed-cluster-tests: $(VENV)/.installed
 test-cluster: slurm-packages $(VENV)/.installed-cluster-tests
 	REQUIRE_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m cluster tests/test_slurm.py tests/test_s3.py
 
+# deploy/Containerfile's two images, built and run here (tests/test_container.py, marked container): the base made with
+# debootstrap from Debian's packages, the images built with podman, their commands run with buildah (chroot isolation:
+# no OCI runtime can start a container on these machines, docs/containers.md says why). Needs root.
+CONTAINER_PACKAGES := podman buildah debootstrap fuse-overlayfs
+container-packages:
+	@if ! command -v podman >/dev/null || ! command -v buildah >/dev/null || ! command -v debootstrap >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(CONTAINER_PACKAGES); fi
+
+container-base: container-packages
+	deploy/container-base.sh
+
+test-container: container-base $(VENV)/.installed
+	REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -p no:cacheprovider -m container tests/test_container.py
+
 # Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
 constraints: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
@@ -98,6 +114,20 @@ constraints: $(VENV)/.installed
 		--python-platform x86_64-manylinux_2_28 --no-emit-package gemma4-neuron-pipeline -o constraints-lowest.txt
 	rm -f .production-input.txt
 
+# The inf2 host's base lock (deploy/lock/inf2-base.txt, which deploy/install-inf2.sh installs with --require-hashes):
+# the pipeline's dependencies with its [s3] and [serve] extras, torch and transformers at the [neuron] extra's pins,
+# and the build backend (the pipeline installs with --no-build-isolation), every file by sha256, for any platform
+# (uv --universal). The Neuron packages are not in it: each release has its own lock (pipeline/cli/neuron_lock.py).
+lock: $(VENV)/.installed
+	$(PY) -m pip install --quiet uv
+	$(PY) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb')); n = x['project']['optional-dependencies']; \
+		print('\n'.join([r for r in n['neuron'] if r.startswith(('torch==', 'transformers=='))] \
+		+ x['build-system']['requires']))" > .lock-input.txt
+	$(VENV)/bin/uv pip compile pyproject.toml .lock-input.txt --extra s3 --extra serve --generate-hashes --universal \
+		--python-version 3.10 --no-emit-package gemma4-neuron-pipeline --custom-compile-command 'make lock' \
+		-o deploy/lock/inf2-base.txt
+	rm -f .lock-input.txt
+
 # The production path rehearsed (tests/test_rehearsal.py): deploy/rebuild.sh on a checkout set up for release (E4B's
 # checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote). About 4 minutes.
 test-rehearsal: $(VENV)/.installed
@@ -107,16 +137,19 @@ test-rehearsal: $(VENV)/.installed
 # checkouts, DVC through a compiler upgrade, interrupted traces, rebuilds compared with what was published).
 # `make test` plus `make test-slow` is `make test-full`; CI runs them as two steps.
 test-slow: $(VENV)/.installed
-	$(PY) -m pytest -q -m slow -p no:cacheprovider
+	$(PY) -m pytest -q -m slow -p no:cacheprovider $(XDIST)
 
 test-full: $(VENV)/.installed
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -m "" $(XDIST)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check pipeline tests bench hydra_plugins
 
 dvc-demo: $(VENV)/.installed
 	. $(VENV)/bin/activate && dvc repro
+	@. $(VENV)/bin/activate && if [ -z "$$(dvc remote default 2>/dev/null)" ]; then \
+		echo "dvc-demo: no DVC remote is set, so dvc push has nowhere to go: the builds stay in .dvc/cache" \
+			"(dvc remote add -d storage s3://BUCKET/PATH adds one: docs/rebuilds.md)"; fi
 
 clean-artifacts:
 	rm -rf artifacts

@@ -6,6 +6,7 @@ Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
 ``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting),
 ``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
 repository?),
+``python -m pipeline install-neuron`` (pipeline/cli/install_neuron.py: one Neuron SDK release from its lock file),
 ``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout) and
 ``python -m pipeline check-remote`` (pipeline/cli/remote.py: can this host read and write the DVC remote?).
 
@@ -30,13 +31,34 @@ def _hydra_entry() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def task(raw: DictConfig) -> None:
-        from pipeline.core.log import exit_on_error, setup_under_hydra
+        from hydra.types import RunMode
+
+        from pipeline.core.errors import PipelineError
+        from pipeline.core.log import exit_on_error, log, setup_under_hydra
         from pipeline.run import load_config
 
         setup_under_hydra()
-        with exit_on_error():
-            cfg = load_config(raw, HydraConfig.get().runtime.choices.get("variant"))
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            with exit_on_error():
+                run_pipeline(load_config(raw, hydra_cfg.runtime.choices.get("variant")))
+            return
+        # One job of a sweep: its failure is recorded, and the sweep goes on; pipeline/summary.py says what every
+        # job did once all have ended, and exits 1 if any failed.
+        from pipeline import summary
+
+        cfg, error = None, None
+        try:
+            cfg = load_config(raw, hydra_cfg.runtime.choices.get("variant"))
             run_pipeline(cfg)
+        except PipelineError as exc:
+            log.error("%s", exc)
+            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if cfg is not None:
+            summary.write(hydra_cfg.runtime.output_dir, summary.outcome(cfg, error))
+        else:
+            summary.write(hydra_cfg.runtime.output_dir, {"variant": hydra_cfg.runtime.choices.get("variant"),
+                                                         "ok": False, "error": error})
 
     task()
 
@@ -71,6 +93,12 @@ def _check_upgrades(argv: list[str]) -> int:
     return upgrades_main(argv)
 
 
+def _install_neuron(argv: list[str]) -> int:
+    from pipeline.cli.install_neuron import main as install_main
+
+    return install_main(argv)
+
+
 def _neuron_check(argv: list[str]) -> int:
     from pipeline.cli.neuron_check import main as check_main
 
@@ -90,6 +118,8 @@ SUBCOMMANDS = {  # name: (entry point, what it does)
     "schedule": (_schedule, "build many variants at once, as memory and NeuronCores allow"),
     "check-upgrades": (_check_upgrades, "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
                                         "then rebuild)"),
+    "install-neuron": (_install_neuron, "install a Neuron SDK release from its lock file, every file by sha256 (the "
+                                        "first install on an inf2 host)"),
     "neuron-check": (_neuron_check, "the first run on an inf2 host: every layout, built and checked"),
     "check-remote": (_check_remote, "can this host read and write the DVC remote? (before a rebuild's build work)"),
 }
@@ -131,12 +161,60 @@ def refused(problems: list[str]) -> None:
         sys.exit(2)
 
 
+def expanded(args: list[str]) -> list[str]:
+    """The arguments with a derived variant name (``+variant=512_fp32+kv1024``, as params.yaml may list one) spelled
+    as the overrides that build it; a derived name that is not the canonical one is a usage error (exit 2)."""
+    from pipeline.core.errors import ConfigError
+    from pipeline.run import expand_derived
+
+    out = []
+    for arg in args:
+        try:
+            out += expand_derived(arg) or [arg]
+        except ConfigError as exc:
+            refused(exc.problems)
+    return out
+
+
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
+
+
+# What every command exits with (README, "Exit codes"): the same for the build and for every subcommand.
+EXIT_CODES = {0: "done", 1: "refused or failed: the message names the setting and the fix",
+              2: "usage: a misspelt subcommand, key, group choice or argument, or a Python that is not the "
+                 "pipeline's environment", 3: "check-upgrades: an upgrade is available",
+              4: "check-upgrades: a Neuron release newer than the table", 130: "interrupted (Ctrl-C)"}
+# What the build and every subcommand import before anything else: absent, this Python is not the pipeline's
+# environment (a newcomer's system python3 after make demo made .venv), and even --help is refused, by name.
+REQUIRED = ("hydra", "omegaconf", "torch", "transformers", "safetensors")
+REQUIRED_BY = {"serve": ("fastapi", "uvicorn", "prometheus_client")}
+
+
+def environment_problem(command: str) -> str | None:
+    import importlib.util
+
+    missing = [m for m in (*REQUIRED, *REQUIRED_BY.get(command, ())) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    extra = " (the [serve] extra: pip install -e '.[serve]')" if set(missing) <= set(REQUIRED_BY.get(command, ())) \
+        else ""
+    return (f"python -m pipeline: {sys.executable} lacks {', '.join(missing)}{extra}: it is not the pipeline's "
+            "environment. Run .venv/bin/python -m pipeline ..., or activate it first: . .venv/bin/activate "
+            "(make demo and make test create .venv)")
 
 
 def main() -> None:
     try:
         first = sys.argv[1] if len(sys.argv) > 1 else ""
+        if first in ("--version", "-V"):
+            from pipeline import __version__
+
+            print(f"gemma4-neuron-pipeline {__version__}")
+            sys.exit(0)
+        problem = environment_problem(first)
+        if problem:
+            print(problem, file=sys.stderr)
+            sys.exit(2)
         if first in SUBCOMMANDS:
             sys.argv.pop(1)
             sys.exit(SUBCOMMANDS[first][0](sys.argv[1:]))
@@ -147,6 +225,7 @@ def main() -> None:
         if first in ("-h", "--help"):
             print(overview())  # then Hydra's help: the configuration groups and every option
         else:
+            sys.argv[1:] = expanded(sys.argv[1:])
             refused(unknown_override_keys(sys.argv[1:]))
         _hydra_entry()
     except KeyboardInterrupt:

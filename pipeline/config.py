@@ -27,14 +27,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, KeyValidationError, MissingMandatoryValue, OmegaConfBaseException
 from omegaconf.nodes import EnumNode
 
-from pipeline.artifact.archive import FORMATS
+from pipeline.artifact.formats import FORMATS
 from pipeline.core.choices import StrEnum, values
 from pipeline.core.errors import ConfigError
 from pipeline.core.shape import BuildShape, Dtype, Prefill
 from pipeline.core.units import parse_size, visible_cores_problems
 from pipeline.models.tiny_model import TinyModelConfig
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # "+": a variant built with overrides (run.derived_name)
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
 PLACEHOLDER_OWNERS = ("your-org", "your-username", "your-name", "org", "user", "username", "example")
@@ -479,12 +479,17 @@ class PublishConfig:
                          f"(got {self.retry_base_s}, {self.retry_max_s})")
         return found + self.regression.problems()
 
+    def placeholder_problem(self) -> str | None:
+        """The documentation's placeholder as the Hub repository: refused before a build that would publish there
+        (with the token and the demo rule: stages/publish.py ``target_problems``), not when nothing publishes."""
+        if self.target == PublishTarget.hub and (self.repo_id or "").split("/")[0] in PLACEHOLDER_OWNERS:
+            return (f"publish.repo_id={self.repo_id!r} is the documentation's placeholder: set it to the repository "
+                    "to publish to, publish.repo_id=<your org>/<repo>")
+        return None
+
     def _repo_problems(self) -> list[str]:
         repo_id, found = self.repo_id or "", []
-        if self.target == PublishTarget.hub and repo_id.split("/")[0] in PLACEHOLDER_OWNERS:
-            found.append(f"publish.repo_id={self.repo_id!r} is the documentation's placeholder: set it to the "
-                         "repository to publish to, publish.repo_id=<your org>/<repo>")
-        elif self.target == PublishTarget.hub and "/" not in repo_id:
+        if self.target == PublishTarget.hub and "/" not in repo_id:
             found.append(f"publish.repo_id={self.repo_id!r} names no owner: publish=hub needs 'owner/name'")
         if not REPO_ID_RE.match(repo_id) or len(repo_id) > 96:
             found.append(f"publish.repo_id={self.repo_id!r} must look like 'name' or 'owner/name' (letters, "

@@ -8,6 +8,8 @@ stage waits for another run of itself, then skips by fingerprint. Logs what ran 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
@@ -31,7 +33,79 @@ def load_config(raw, variant_choice: str | None = None):
                      "a variant's name must equal its file name")
     if found:
         raise ConfigError(found)
+    if typed.variant is not None and variant_choice:
+        derived = derived_name(typed.variant, variant_choice)
+        if derived != typed.variant.name:
+            log.warning("the overrides change variant %s (%s): built as %s, in its own folder, version and card",
+                        variant_choice, ", ".join(changed_fields(typed.variant, variant_choice)), derived)
+            typed.variant.name = derived
     return typed
+
+
+# A variant field an override changed, and how the derived name spells its new value: kv_max 1024 -> "kv1024".
+DERIVED_SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}"}
+
+
+DERIVED_PART = re.compile(r"^(?:kv(?P<kv_max>\d+)|b(?P<bucket>\d+)|tp(?P<tp_degree>\d+)|(?P<dtype>bf16|fp32)"
+                          r"|(?P<prefill>host|device))$")
+
+
+def expand_derived(arg: str) -> list[str] | None:
+    """``+variant=512_fp32+kv1024`` as the overrides that build it: ``+variant=512_fp32 variant.kv_max=1024``
+    (params.yaml may list such a name: a DVC knob sweep). None for any other argument; a ``ConfigError`` for a
+    derived name that is not the one those overrides make (a field at the file's own value, or out of order)."""
+    from pipeline.core.errors import ConfigError
+
+    if not arg.startswith("+variant=") or "+" not in arg[len("+variant="):]:
+        return None
+    name, *parts = arg[len("+variant="):].split("+")
+    if not (CONF_DIR / "variant" / f"{name}.yaml").is_file():
+        return None  # unknown_override_keys names it
+    given = variant_file(name)
+    fields = {}
+    for part in parts:
+        found = DERIVED_PART.match(part)
+        if not found:
+            raise ConfigError(f"+variant={arg[9:]}: {part!r} is not a field of a derived name (kv<N>, b<N>, tp<N>, "
+                              "bf16 or fp32, host or device)")
+        key, value = next((k, v) for k, v in found.groupdict().items() if v is not None)
+        fields[key] = value
+    overrides = [f"variant.{k}={v}" for k, v in fields.items()]
+    canonical = "+".join([name, *[DERIVED_SPELLING[k].format(v) for k, v in
+                                  sorted(fields.items(), key=lambda kv: list(DERIVED_SPELLING).index(kv[0]))
+                                  if str(v) != str(given[k])]])
+    if canonical != arg[len("+variant="):]:
+        raise ConfigError(f"+variant={arg[9:]} is not how those fields are named: write +variant={canonical} (fields "
+                          "in the order kv, b, dtype, prefill, tp, each one that differs from conf/variant/"
+                          f"{name}.yaml)")
+    return [f"+variant={name}", *overrides]
+
+
+def variant_file(name: str) -> dict:
+    """The fields conf/variant/<name>.yaml sets (tp_degree defaulting as the schema does)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import VariantConfig
+
+    data = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "variant" / f"{name}.yaml"))
+    return {key: data.get(key, getattr(VariantConfig, key, None)) for key in DERIVED_SPELLING}
+
+
+def changed_fields(variant, name: str) -> list[str]:
+    """``key=value (file: value)`` for each field of ``variant`` that differs from conf/variant/<name>.yaml's."""
+    given = variant_file(name)
+    return [f"variant.{key}={getattr(variant, key)} (the file: {given[key]})" for key in DERIVED_SPELLING
+            if str(getattr(variant, key)) != str(given[key])]
+
+
+def derived_name(variant, name: str) -> str:
+    """The name a build of ``name`` with other field values goes by: ``512_bf16+kv1024+fp32``. A build is named
+    after what it is, so an override never writes under the named variant's folder, version or card; the same
+    overrides give the same name (and so find the same build)."""
+    given = variant_file(name)
+    parts = [DERIVED_SPELLING[key].format(getattr(variant, key)) for key in DERIVED_SPELLING
+             if str(getattr(variant, key)) != str(given[key])]
+    return "+".join([name, *parts])
 
 
 def unknown_override_keys(overrides: list[str]) -> list[str]:
@@ -45,6 +119,8 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
 
     parser = OverridesParser.create()
     found = []
+    # A search path of one's own (hydra.searchpath, --config-dir) may add group choices: Hydra names a missing one.
+    own_choices = any(a.startswith(("hydra.searchpath", "--config-dir", "-cd")) for a in overrides)
     for arg in overrides:
         if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
             continue  # Hydra's own flags and their values (--multirun, --cfg job)
@@ -55,10 +131,28 @@ def unknown_override_keys(overrides: list[str]) -> list[str]:
         key = override.key_or_group
         if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
             continue  # Hydra's settings, and config groups under a path (hydra/launcher=...)
-        problem = unknown_key(key)
+        if (CONF_DIR / key).is_dir():
+            problem = None if own_choices else unknown_choice(key, override)
+        else:
+            problem = unknown_key(key)
         if problem:
             found.append(problem)
     return found
+
+
+def unknown_choice(group: str, override) -> str | None:
+    """Why ``group=VALUE`` names no file of conf/<group>/ (a sweep, ``glob(*)`` or ``a,b``, is Hydra's to expand)."""
+    if override.is_sweep_override() or override.is_delete():
+        return None
+    value = override.value()
+    choices = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    if not isinstance(value, str) or value in choices:
+        return None
+    import difflib
+
+    close = difflib.get_close_matches(value, choices, n=1)
+    return (f"{group}={value} is not one of {choices} (conf/{group}/)" + (f": did you mean {close[0]!r}?" if close
+                                                                          else ""))
 
 
 def compose(overrides: list[str], variant: str | None = None):
@@ -80,11 +174,54 @@ def check_backend(cfg, validates: bool) -> None:
     """What the backend can tell before any stage runs: its packages, and whether it can run this variant's build
     (backend=xla runs tp_degree 1 only), so a run that would fail at validate does not trace and package first."""
     from pipeline.backends import get_backend, resolve
+    from pipeline.stages import trace as trace_stage
 
-    backend = get_backend(resolve(cfg.backend.name))
-    backend.check_installed()
+    name = resolve(cfg.backend.name)
+    backend = get_backend(name)
+    backend.check_installed(trace_stage.request(cfg, name))
     if validates:
         backend.check_load(cfg.variant.shape)
+
+
+def check_model_fit(cfg) -> None:
+    """A variant the model cannot hold (a cache longer than its positions), refused before any stage when the
+    checkpoint is already here (the trace stage asks again once the model stage has fetched it)."""
+    from pipeline.core.errors import ConfigError
+    from pipeline.paths import Paths
+    from pipeline.recipe.spec import load_spec
+
+    weights = Paths.of(cfg).weights
+    if (weights / "config.json").is_file():
+        problem = load_spec(weights).positions_problem(cfg.variant.kv_max)
+        if problem:
+            raise ConfigError(problem)
+
+
+def dvc_default_remote(root: str | None) -> str | None:
+    """The DVC repository's default remote (``[core] remote`` in .dvc/config or .dvc/config.local), or None."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    for name in ("config", "config.local"):
+        path = Path(root or ".") / ".dvc" / name
+        try:
+            parser.read_string(path.read_text(), str(path))
+        except (OSError, configparser.Error):
+            continue
+    return parser.get("core", "remote", fallback=None) or None
+
+
+def check_publish_target(cfg) -> None:
+    """A build headed for the Hub that the Hub would refuse, refused before it is built (dvc.yaml's trace stage is
+    given the publish target for this), naming every reason at once."""
+    from pipeline.backends import resolve
+    from pipeline.core.errors import PublishError
+    from pipeline.stages.publish import target_problems
+
+    found = target_problems(cfg, resolve(cfg.backend.name))
+    if found:
+        raise PublishError("publish=hub would refuse this build, so nothing was built:\n" +
+                           "\n".join(f"  - {p}" for p in found))
 
 
 def run_pipeline(cfg) -> list:
@@ -100,6 +237,9 @@ def run_pipeline(cfg) -> list:
                           f"--multirun '+variant=glob(*)' for all of them")
     if cfg.variant is not None and {"trace", "validate"} & set(stages):
         check_backend(cfg, "validate" in stages)
+        check_model_fit(cfg)
+    if cfg.variant is not None and {"trace", "publish"} & set(stages):
+        check_publish_target(cfg)
     results = []
     started = time.monotonic()
     for name in stages:
@@ -111,6 +251,10 @@ def run_pipeline(cfg) -> list:
         result.seconds = time.monotonic() - began
         log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)
         results.append(result)
+    if os.environ.get("DVC_STAGE", "").startswith("publish@") and not dvc_default_remote(os.environ.get("DVC_ROOT")):
+        log.warning("no DVC remote is set: the `dvc push` dvc repro suggests has nowhere to send these builds. Add "
+                    "one (dvc remote add -d storage s3://BUCKET/PATH; docs/rebuilds.md), or keep them in this "
+                    "checkout's .dvc/cache")
     ran = [r.stage for r in results if r.status == "ran"]
     log.info("done in %.1f s%s: ran %s", time.monotonic() - started,
              f" ({cfg.variant.name})" if cfg.variant else "", ", ".join(ran) or "nothing (all up to date)")

@@ -1,13 +1,19 @@
-"""Shared fixtures: the tiny model built once per session, prompts, and the transformers reference."""
+"""Shared fixtures: the tiny model built once per session, prompts, and the transformers reference.
+
+``make test`` runs on both cores (pytest-xdist): each worker is a session of its own, so what a session fixture builds
+is built once per test run through ``built_once``, by the first worker to ask, and read by the others."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 # Tests never reach the network: any accidental Hub call fails fast instead of hanging.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,14 +33,49 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse"):
         items.reverse()
 
+
 NEW_TOKENS = 32
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> object:
+    """``build(folder)``'s result, built once per test run: alone, into a new temporary folder; under pytest-xdist,
+    by the first worker to ask, under the run's common temporary folder (the other workers wait on its lock, then read
+    the result it left as JSON). What is built there is shared: a test that changes anything works on a copy."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / "built-once"
+    shared.mkdir(exist_ok=True)
+    folder, result = shared / name, shared / f"{name}.json"
+    with FileLock(shared / f"{name}.lock"):
+        if not result.exists():
+            folder.mkdir()
+            result.write_text(json.dumps(build(folder), default=_as_json))
+    return _from_json(json.loads(result.read_text()))
+
+
+def _as_json(value):
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    if isinstance(value, subprocess.CompletedProcess):
+        return {"completed": [value.args, value.returncode, value.stdout, value.stderr]}
+    raise TypeError(f"built_once cannot share a {type(value).__name__}")
+
+
+def _from_json(value):
+    if isinstance(value, dict) and value.keys() == {"path"}:
+        return Path(value["path"])
+    if isinstance(value, dict) and value.keys() == {"completed"}:
+        return subprocess.CompletedProcess(*value["completed"])
+    if isinstance(value, list):
+        return tuple(_from_json(v) for v in value)
+    return value
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     from pipeline.models.tiny_model import TinyModelConfig, generate
 
-    return generate(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "weights")
+    return built_once(tmp_path_factory, "tiny", lambda folder: generate(TinyModelConfig(), folder / "weights"))
 
 
 @pytest.fixture(scope="session")
@@ -100,8 +141,11 @@ def tiny_512_fp32(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The tiny model's 512_fp32 built, validated and published (``publish=local``, unsigned) by the command users
     run, with the default settings: its artifacts folder and the completed process. Tests only read it
     (tests/test_pipeline.py, tests/test_serve.py)."""
-    root = tmp_path_factory.mktemp("e2e") / "artifacts"
-    return root, run_cli("+variant=512_fp32", "backend=cpu", f"artifacts_dir={root}")
+    def build(folder: Path):
+        root = folder / "artifacts"
+        return root, run_cli("+variant=512_fp32", "backend=cpu", f"artifacts_dir={root}")
+
+    return built_once(tmp_path_factory, "e2e", build)
 
 
 @pytest.fixture
@@ -124,16 +168,19 @@ def neuron_checked(tmp_path_factory):
 
     from . import fake_sdk
 
-    site = fake_sdk.install(tmp_path_factory.mktemp("neuron-sdk"))
-    keep = tmp_path_factory.mktemp("neuron-check")
-    # The stand-in decodes on this machine's CPU, so inf2's throughput floor (30 tok/s) measures the machine's load,
-    # not the code: a busy 2-core host falls under it. The floor is lowered to the cpu backend's sanity floor here;
-    # the gates themselves are tested in test_validation.py and test_rebuild.py.
-    floor = "validate.throughput.floors.neuron.inf2_8xlarge.tokens_per_s=5"
-    out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check", "--keep", str(keep), floor],
-                         capture_output=True, text=True, env={**os.environ, **fake_sdk.env(site)},
-                         cwd=Path(__file__).parent.parent, timeout=600)
-    return out, keep / "artifacts"
+    def build(folder: Path):
+        site = fake_sdk.install(folder / "neuron-sdk")
+        keep = folder / "neuron-check"
+        # The stand-in decodes on this machine's CPU, so inf2's throughput floor (30 tok/s) measures the machine's
+        # load, not the code: a busy 2-core host falls under it. The floor is lowered to the cpu backend's sanity
+        # floor here; the gates themselves are tested in test_validation.py and test_rebuild.py.
+        floor = "validate.throughput.floors.neuron.inf2_8xlarge.tokens_per_s=5"
+        out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check", "--keep", str(keep), floor],
+                             capture_output=True, text=True, env={**os.environ, **fake_sdk.env(site)},
+                             cwd=Path(__file__).parent.parent, timeout=600)
+        return out, keep / "artifacts"
+
+    return built_once(tmp_path_factory, "neuron-checked", build)
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +189,8 @@ def validated_512_fp32(tmp_path_factory) -> Path:
     published to the local target. Shared: a test that changes anything works on a copy."""
     from .helpers import FAST_VALIDATE, config, run
 
-    root = tmp_path_factory.mktemp("validated") / "artifacts"
-    run(config(root, *FAST_VALIDATE))
-    return root
+    def build(folder: Path) -> Path:
+        run(config(folder / "artifacts", *FAST_VALIDATE))
+        return folder / "artifacts"
+
+    return built_once(tmp_path_factory, "validated", build)

@@ -79,6 +79,15 @@ def install(dest: Path, release: str = neuron_sdk.PINNED, cores: int = 2) -> Pat
     return dest
 
 
+def trace_port() -> int:
+    """``parallel_model_trace``'s fixed rendezvous port, 2022 (NxD v2.28.0 trace/trace.py), moved by 100 for each
+    pytest-xdist worker after the first: each worker's stand-in sites are hosts of their own (own NeuronCores, own
+    leases, so own port lock), and two such hosts on one machine would otherwise collide on the one real port. Within
+    a worker the port is fixed, so two traces at once still collide as the real ones do."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 2022 + 100 * int(worker.removeprefix("gw"))
+
+
 def env(dest: Path, cores: int = 2) -> dict[str, str]:
     """The variables a process (and its children) need to run on the stand-in installed at ``dest``."""
     return {
@@ -88,6 +97,7 @@ def env(dest: Path, cores: int = 2) -> dict[str, str]:
         "FAKE_NEURON_CORES": str(cores),
         "GEMMA4_NEURON_LOCK_DIR": str(dest / "leases"),
         "GEMMA4_DMI_PRODUCT_NAME_FILE": str(dest / "dmi_product_name"),
+        "FAKE_NEURON_TRACE_PORT": str(trace_port()),
     }
 
 

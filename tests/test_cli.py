@@ -30,7 +30,7 @@ def existing_artifacts(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["+variant=nope"], "Could not find 'variant/nope'"),
+    (["+variant=nope"], "variant=nope is not one of ['2048_bf16', '2048_bf16_host'"),
     ([], "add +variant=NAME (one of 2048_bf16, 2048_bf16_host, 2048_fp32, 256_bf16_host, 512_bf16, 512_bf16_host, "
          "512_fp32)"),
     (["stage=trace"], "stage 'trace' builds one variant: add +variant=NAME"),

@@ -21,6 +21,8 @@ from pipeline.validation.generation import Generator
 from .conftest import NEW_TOKENS
 from .helpers import edited_checkpoint
 
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+
 KV_MAX, BUCKET = 256, 32
 LOGIT_BOUND = 1e-3  # fp32 rank files vs transformers: only summation order differs (measured: < 5e-5)
 BACKEND = CpuBackend()

@@ -140,3 +140,19 @@ def test_the_checker_finds_a_broken_link_a_bad_anchor_and_a_missing_cited_sectio
                                    ("conf/a.yaml", "README", "Layout")]
     assert "across hosts" in headings(tmp_path / "docs" / "guide.md")
     assert "not a heading" not in headings(tmp_path / "docs" / "guide.md")
+
+
+# Targets that are other targets' tests together (test-full: test and test-slow) or a part of one (test-rehearsal,
+# in test-slow): CI runs what they run through those.
+PART_OR_UNION = {"test-full", "test-rehearsal"}
+
+
+def test_ci_runs_every_test_target_and_the_testing_guide_lists_each():
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^(test(?:-[\w-]+)?):", makefile, re.M)) - PART_OR_UNION
+    steps = re.findall(r"^step (\S+)$", (REPO / ".ci" / "run").read_text(), re.M)
+    assert sorted(steps) == sorted(targets), "each test target is a step of .ci/run (or a part of another)"
+    assert len(steps) == len(set(steps))
+    table = (REPO / "docs" / "testing.md").read_text()
+    missing = [t for t in targets | PART_OR_UNION if f"| `make {t}` |" not in table]
+    assert not missing, f"docs/testing.md's table lacks {missing}"

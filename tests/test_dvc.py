@@ -162,15 +162,21 @@ def test_dvc_repro_then_a_direct_run_rebuilds_nothing(repo):
     assert dvc(repo, "status").split() == ["toolchain:", "always", "changed"]
 
 
-def test_editing_one_variant_reruns_only_that_variant(repo):
+def test_editing_one_variant_rebuilds_only_that_variant(repo):
+    """The trace stages depend on the conf/variant folder (params.yaml may list a derived name, whose file DVC cannot
+    name), so DVC runs every variant's trace command; each skips by its fingerprint but the edited one, and DVC stops
+    at the first unchanged output."""
     conf = repo / "conf" / "variant" / "256_bf16_host.yaml"
-    conf.write_text(conf.read_text() + "# touched\n")
+    conf.write_text(conf.read_text().replace("kv_max: 256", "kv_max: 256  # touched"))
+    other = repo / "artifacts" / "gemma4_tiny" / "512_fp32" / "build.json"
+    before = sha256_file(other)
     out = dvc(repo, "repro")
     stages = set(ran(out))
     assert {"toolchain", "trace@256_bf16_host"} <= stages
-    assert stages <= {"toolchain"} | {f"{s}@256_bf16_host" for s in ("trace", "package", "validate", "publish")}
-    # The retraced rank files are byte-identical, so DVC stops at the first unchanged output.
-    assert "Stage 'validate@256_bf16_host' didn't change" in out
+    assert stages <= {"toolchain", "trace@512_fp32"} | {f"{s}@256_bf16_host" for s in ("trace", "package", "validate",
+                                                                                         "publish")}
+    assert "trace: 512_fp32 is up to date" in out and sha256_file(other) == before  # its command rebuilt nothing
+    assert "package@512_fp32" not in ran(out)
 
 
 def test_metrics_diff_and_plots_read_cleanly(repo):
@@ -294,3 +300,21 @@ def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing
                           text=True, check=True).stdout.split()
     assert sorted(t.rsplit("-", 1)[0] for t in tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS
                                                                 for c in ("2.23.6484.0", "2.24.5133.0"))
+
+
+@pytest.mark.slow
+def test_a_knob_sweep_the_dvc_way(tmp_path):
+    """`dvc exp run -S 'variants=[...]'` with a derived name builds that variant's other field values under their own
+    name (params.yaml, pipeline/run.py expand_derived), and `dvc exp show` lists the experiment with its metrics."""
+    repo = checkout_copy(tmp_path / "repo", ["512_fp32"], quicker_validation)
+    out = dvc(repo, "exp", "run", "-S", "variants=[512_fp32+kv256]", "-n", "kv256")
+    assert "trace@512_fp32+kv256" in ran(out)
+    assert not (repo / "artifacts" / "gemma4_tiny" / "512_fp32").exists()
+    shown = json.loads(dvc(repo, "exp", "show", "--json"))
+    runs = [e for row in shown for e in (row.get("experiments") or []) for e in (e.get("revs") or [])]
+    named = next(r for r in runs if r.get("name") == "kv256")
+    metrics = named["data"]["metrics"]["artifacts/gemma4_tiny/512_fp32+kv256/metrics.json"]["data"]
+    assert metrics["parity"]["passed"] is True
+    assert named["data"]["params"]["params.yaml"]["data"]["variants"] == ["512_fp32+kv256"]
+    manifest = json.loads((repo / "artifacts/gemma4_tiny/512_fp32+kv256/dist/manifest.json").read_text())
+    assert manifest["variant"]["kv_max"] == 256 and manifest["version"].startswith("512_fp32+kv256-")

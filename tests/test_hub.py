@@ -4,6 +4,7 @@ CAS); the Xet token route's failures are tested with Xet enabled, the path produ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -21,6 +22,8 @@ from pipeline.paths import Paths
 
 from .helpers import CPU_COMPILER, FAST_VALIDATE, a_manifest, config, run
 from .hubserver import Hub
+
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
 
 REPO_ID = "tester/gemma4-tiny-inferentia2"
 
@@ -122,6 +125,28 @@ def test_publishing_again_makes_no_commit_and_no_tag(hub, project):
     run(hub_cfg(project), "publish")
     assert len(repo.commits) == commits and repo.tags == tags
     assert not [c for c in hub.calls[calls:] if c[0] != "GET" and c[0] != "HEAD" and "create" not in c[1]]
+
+
+def test_republishing_over_a_corrupt_published_archive_repairs_it_on_the_hub(hub, project):
+    """Someone with write access replaced the published archive's bytes (the manifest unchanged) and moved the tag:
+    publishing again verifies the archive against the Hub's record of its object (the tree listing's LFS sha256), so
+    it is no "already published", and restores it in one commit that the tag moves to."""
+    version = ensure_published(project)
+    repo = hub.repos[REPO_ID]
+    files = dict(files_at(hub, version))
+    archive = next(p for p in files if p.endswith(".tar.zst"))
+    damaged = bytearray(files[archive])
+    damaged[len(damaged) // 2] ^= 0xFF
+    repo.commit({**files, archive: bytes(damaged)}, "corrupt")
+    repo.tags[version] = repo.main
+    commits = len(repo.commits)
+    result = [r for r in run(hub_cfg(project, "512_fp32", "force=true"), "publish") if r.stage == "publish"][0]
+    assert result.details["repaired"] and len(repo.commits) == commits + 1
+    assert repo.tags[version] == repo.main
+    manifest = json.loads(files_at(hub, version)["512_fp32/manifest.json"])
+    assert hashlib.sha256(files_at(hub, version)[archive]).hexdigest() == manifest["archive"]["sha256"]
+    again = [r for r in run(hub_cfg(project), "publish") if r.stage == "publish"][0]
+    assert not again.details["repaired"] and not again.details["created"] and len(repo.commits) == commits + 1
 
 
 def test_a_second_variant_lands_beside_the_first_and_the_card_lists_both(hub, project):
@@ -269,9 +294,16 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
 def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_it_is(hub, project):
     VERSION = version_of(project)
     demo_repo = "tester/demo-builds"  # a repository of its own: the other tests' repository holds edited builds
+    refused = hub_cfg(project, allow_demo=False, repo_id=demo_repo)
+    with pytest.raises(PublishError, match=r"embedded tiny test model, not a Hub checkpoint; it would be built by the "
+                                           r"cpu backend.*publish.allow_demo=true"):
+        run(refused, "publish")  # refused before the stage (pipeline/run.py check_publish_target)
+    from pipeline.stages import publish
+
+    manifest = Manifest.read(Paths.of(refused).manifest)
     with pytest.raises(PublishError, match=r"embedded tiny test model, not a Hub checkpoint; it was built by the cpu "
                                            r"backend.*publish.allow_demo=true.*Nothing was published"):
-        run(hub_cfg(project, allow_demo=False, repo_id=demo_repo), "publish")
+        publish.require_real_or_allowed(manifest, demo_repo, False)  # and by the stage itself, from the manifest
     assert demo_repo not in hub.repos  # refused before any request
     run(hub_cfg(project, repo_id=demo_repo), "publish")
     card = hub.repos[demo_repo].resolve(VERSION).files["README.md"].decode()
@@ -282,9 +314,11 @@ def test_a_demo_build_goes_to_the_hub_only_when_allowed_and_its_card_says_what_i
 def test_the_placeholder_repo_id_and_an_ownerless_one_are_refused_for_the_hub(tmp_path):
     from pipeline.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"publish.repo_id='your-org/gemma-4-E4B-it-inferentia2' is the "
-                                          r"documentation's placeholder"):
-        config(tmp_path, "publish=hub")
+    placeholder = config(tmp_path, "publish=hub")  # refused before a build that would publish there, not before
+    with pytest.raises(PublishError, match=r"publish.repo_id='your-org/gemma-4-E4B-it-inferentia2' is the "
+                                           r"documentation's placeholder"):
+        run(placeholder, "trace")
+    assert not (tmp_path / "toolchain.json").exists()
     with pytest.raises(ConfigError, match="names no owner"):
         config(tmp_path, "publish=hub", "publish.repo_id=gemma4-builds")
     config(tmp_path, "publish=local")  # the local folder needs no owner
@@ -416,8 +450,8 @@ def test_the_test_hub_refuses_bad_tags_missing_deletions_and_read_only_writes(hu
 
 
 def test_version_names_are_checked_as_git_checks_refs():
+    from pipeline.core.names import tag_problem
     from pipeline.stages.package import version_name
-    from pipeline.stages.publish import tag_problem
 
     ours = [version_name(p.stem, compiler, "0" * 64, fmt, True)
             for p in (Path(__file__).parent.parent / "conf" / "variant").glob("*.yaml")

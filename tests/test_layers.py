@@ -26,7 +26,7 @@ LAYERS = (
     ("serving",),
     ("publishing",),
     ("stages",),
-    ("run",),
+    ("run", "summary"),
     ("cli",),
     ("__main__",),
 )

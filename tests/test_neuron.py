@@ -1,5 +1,5 @@
 """The neuron backend without Inferentia: everything it computes without the hardware, its refusals, and the whole
-pipeline run through it on a stand-in for the Neuron SDK (tests/fake_neuron, tp_degree 1)."""
+pipeline run through it on a stand-in for the Neuron SDK (tests/fake_neuron, tp_degree 2)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,8 +51,9 @@ from pipeline.recipe.spec import load_spec
 from . import fake_sdk
 from .helpers import CONF, FAST_VALIDATE, neuron_config, run
 
-SEED_BF16_ARGS = ["--model-type", "transformer", "--auto-cast", "all", "--auto-cast-type", "bf16"]
-FP32_ARGS = ["--model-type", "transformer", "--auto-cast=none"]
+# Both dtypes: no auto-cast, the recipe states every dtype (conf/backend/neuron.yaml says why it is not the seed's
+# "--auto-cast all --auto-cast-type bf16").
+NEURON_ARGS = ["--model-type=transformer", "--auto-cast=none"]
 NEURON_MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")
 
 
@@ -69,7 +71,7 @@ def test_the_package_imports_and_refuses_neuron_work_without_the_neuron_packages
     backend = get_backend("neuron")
     assert backend.members(BuildShape(512, 128, "bf16", "device", 2)) == ["model.pt"]
     assert backend.members(BuildShape(512, 128, "bf16", "host", 2)) == ["tp_0.pt", "tp_1.pt"]
-    assert "pip install -e '.[neuron]'" in missing_api("device")
+    assert "deploy/install-inf2.sh" in missing_api("device")
     out = tmp_path / "build"
     with pytest.raises(BuildError, match=r"torch_neuronx.*pip.repos.neuron.amazonaws.com"):
         backend.trace(TraceRequest(CheckpointRef(tiny_dir, "model."), BuildShape(256, 32, "bf16", "device", 2)), out)
@@ -84,10 +86,7 @@ def test_compiler_arguments_per_variant(tmp_path, variant):
 
     cfg = neuron_config(tmp_path, variant)
     args = compiler_args(cfg, "neuron")
-    if cfg.variant.dtype == "bf16":
-        assert args == SEED_BF16_ARGS  # the seed recipe's flags
-    else:
-        assert args == FP32_ARGS  # fp32 must be token-exact
+    assert args == NEURON_ARGS  # nothing auto-cast: the fp32 parts of a bf16 build stay fp32
     assert shlex.split(compiler_arg_string(args)) == args  # ModelBuilder takes one string
     assert compiler_args(cfg, "cpu") == []
 
@@ -290,7 +289,7 @@ def test_an_installed_mix_of_sdk_releases_is_refused_before_any_compile(fake_neu
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuronx-cc\nVersion: 2.24.5133.0\n")
     cfg = _prepared(tmp_path, "512_bf16")
     with pytest.raises(BuildError, match=r"(?s)not one Neuron SDK release: torch-neuronx 2.8.0.2.12.22436\+f702b353, "
-                                         r"neuronx-cc 2.24.5133.0.*belongs to release 2.29.0.*pip install -e"):
+                                         r"neuronx-cc 2.24.5133.0.*belongs to release 2.29.0.*deploy/install-inf2.sh"):
         run(cfg, "trace")
     assert _nothing_built(tmp_path, "512_bf16")
     assert missing_api("device", check_release=False) is None  # backend.check_sdk_release=false lets it through
@@ -337,6 +336,7 @@ def test_neuroncores_the_host_lacks_or_another_run_holds_are_refused_before_any_
     assert (tmp_path / "gemma4_tiny" / "512_bf16" / "build" / "model.pt").is_file()
 
 
+@pytest.mark.slow  # a whole build and validation (make test-slow), for make test's budget
 def test_a_validation_runs_on_the_cores_its_lease_names(monkeypatch, tmp_path, caplog):
     """Another process holds NeuronCores 0-1 (its lease and, as its runtime would, the device cores): on a 4-core
     host the validation leases 2-3 and its process, given NEURON_RT_VISIBLE_CORES=2-3, loads there."""
@@ -422,13 +422,23 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     with zipfile.ZipFile(variant_dir / "build" / "model.pt") as saved:  # no paths of this checkout (torchscript.py)
         assert saved.namelist() and not [n for n in saved.namelist() if n.endswith(".debug_pkl")]
     assert manifest["variant"]["tp_degree"] == 2
-    assert manifest["compiler"]["args"] == FP32_ARGS
+    assert manifest["compiler"]["args"] == NEURON_ARGS
     assert manifest["compiler"]["versions"]["neuronx-cc"].startswith("2.23.6484.0+")  # with the build hash
     assert manifest["toolchain"]["neuronx_cc"]["source"] == "neuronxcc.__version__"
     build = json.loads((variant_dir / "build.json").read_text())
     assert build["preflight"]["host"]["neuron_cores"] == 2 and build["preflight"]["need"]["neuron_cores"] == 2
     assert build["trace"]["api"] == "ModelBuilder"
-    assert build["trace"]["effective_compiler_args"] == FP32_ARGS + ["-O1", "--verbose=35"]
+    assert build["trace"]["effective_compiler_args"] == NEURON_ARGS + ["-O1", "--verbose=35"]
+    # What the SDK added, read from each graph's compiler log: ModelBuilder's defaults and --logfile, and what sits
+    # below it (--framework, --target, --output); the sharded checkpoints it wrote into its work folder counted.
+    added = build["trace"]["sdk_added_args"]
+    assert {"--framework XLA", "--target inf2", "-O1", "--verbose=35"} <= set(added)
+    assert any(a.startswith("--logfile=<workdir>/model_builder/prefill/_tp0_bk0/") for a in added), added
+    assert sorted(build["trace"]["compiler_commands"]) == ["model_builder/decode/_tp0_bk0/log-neuron-cc.txt",
+                                                           "model_builder/prefill/_tp0_bk0/log-neuron-cc.txt"]
+    assert build["trace"]["workdir_bytes"] >= manifest["members"][0]["size"] * 0.5  # two rank slices of the weights
+    memory = build["trace"]["device_memory_estimate"]
+    assert 0 < memory["total"] < memory["neuroncore_hbm"] == 16
     parity = json.loads((variant_dir / "validation.json").read_text())["parity"]
     # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand;
     # and the load passes only with torch_neuronx imported first.
@@ -440,9 +450,12 @@ def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_chec
     variant_dir = root / "gemma4_tiny" / "256_bf16_host"
     assert sorted(p.name for p in (variant_dir / "build").iterdir()) == ["tp_0.pt", "tp_1.pt"], out.stderr[-3000:]
     manifest = _manifest(root, "256_bf16_host")
-    assert manifest["layout"] == "per_rank" and manifest["compiler"]["args"] == SEED_BF16_ARGS
+    assert manifest["layout"] == "per_rank" and manifest["compiler"]["args"] == NEURON_ARGS
     build = json.loads((variant_dir / "build.json").read_text())
     assert build["trace"]["api"] == "parallel_model_trace"
+    # parallel_model_trace logs to its working directory (no --logfile): the compile's work folder, which survives
+    assert list(build["trace"]["compiler_commands"]) == ["log-neuron-cc.txt"]
+    assert {"--framework XLA", "--target inf2"} <= set(build["trace"]["sdk_added_args"])
     parity = json.loads((variant_dir / "validation.json").read_text())["parity"]
     # Within bf16 noise of the reference on every prompt only if each prompt's caches were seeded where the loaded
     # model reads them: its first forward replaced the state parameters, so the second and third prompts fail
@@ -450,12 +463,13 @@ def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_chec
     assert parity["mode"] == "logits" and parity["passed"] and parity["prompts"] == 3
 
 
+@pytest.mark.slow  # a whole build of its own (make test-slow), for make test's budget
 def test_a_compile_the_oom_killer_stops_leaves_nothing_and_says_so(fake_neuron, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NEURON_COMPILE_ERROR", "Compile command returned: -9")
     cfg = neuron_config(tmp_path, "512_bf16", "variant.tp_degree=1")
     with pytest.raises(BuildError, match=r"(?s)out-of-memory killer.*At the preflight: available RAM"):
         run(cfg)
-    variant_dir = tmp_path / "gemma4_tiny" / "512_bf16"
+    variant_dir = tmp_path / "gemma4_tiny" / "512_bf16+tp1"  # an override's build has a name of its own
     assert not (variant_dir / "build").exists() and not (variant_dir / "build.json").exists()
     assert not [p for p in variant_dir.iterdir() if p.name.startswith(".")]  # no staging directory left
 
@@ -489,7 +503,7 @@ def test_neuron_check_without_the_packages_says_what_to_install_and_skips_the_re
     out = subprocess.run([sys.executable, "-m", "pipeline", "neuron-check"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, timeout=600)
     assert out.returncode == 1
-    assert re.search(r"Neuron packages\s+FAIL .*pip install -e '\.\[neuron\]'", out.stdout)
+    assert re.search(r"Neuron packages\s+FAIL .*deploy/install-inf2.sh", out.stdout)
     assert out.stdout.count("skipped") == 6 and "0 of 7 checks passed" in out.stdout
 
 
@@ -555,6 +569,7 @@ def test_hardware_auto_reads_the_instance_type_offline(tmp_path, monkeypatch):
     assert resolve_hardware("auto") == "local" and resolve_hardware("inf2_xlarge") == "inf2_xlarge"
 
 
+@pytest.mark.slow  # a whole build of its own (make test-slow), for make test's budget
 def test_a_neuron_validation_without_a_floor_for_its_hardware_is_refused_before_loading(fake_neuron, tmp_path):
     cfg = _prepared(tmp_path, "512_fp32", *FAST_VALIDATE, "hardware=local")
     for stage in ("reference", "trace", "package"):
@@ -574,10 +589,44 @@ def test_dvc_repro_validates_on_the_detected_hardware():
     assert yaml.safe_load((repo / "params.yaml").read_text())["hardware"] == "auto"
 
 
-def test_without_the_neuron_packages_the_trace_says_to_install_them_first(tmp_path):
+def test_without_the_neuron_packages_every_stage_says_to_install_them_first(tmp_path):
+    """The toolchain stage too: a refused run writes no toolchain.json (which every build depends on)."""
     cfg = neuron_config(tmp_path, "512_bf16")
-    run(cfg, "toolchain")
-    run(cfg, "model")
-    with pytest.raises(BuildError) as refused:
+    for stage in ("toolchain", "trace", "all"):
+        with pytest.raises(BuildError) as refused:
+            run(cfg, stage)
+        assert "deploy/install-inf2.sh" in str(refused.value) and "stage=toolchain" not in str(refused.value)
+    assert not (tmp_path / "toolchain.json").exists()
+
+
+def test_a_variant_too_large_for_a_neuroncore_is_refused_before_any_compile(fake_neuron, tmp_path, monkeypatch):
+    from pipeline.backends import neuron_memory
+
+    monkeypatch.setattr(neuron_memory, "NEURONCORE_V2_HBM", neuron_memory.RUNTIME_RESERVE)  # a core with no room
+    cfg = _prepared(tmp_path, "512_bf16")
+    with pytest.raises(ConfigError, match=r"512/128 bf16 device-prefill at tp_degree 2 needs about .* GiB: weights "
+                                          r".* more than a NeuronCore-v2's"):
         run(cfg, "trace")
-    assert "pip install -e '.[neuron]'" in str(refused.value) and "stage=toolchain" not in str(refused.value)
+    assert _nothing_built(tmp_path, "512_bf16")
+
+
+@pytest.mark.parametrize("prefill, module, name", [("device", "neuronx_distributed/trace/model_builder.py", None),
+                                                   ("host", "neuronx_distributed/trace/__init__.py",
+                                                    "    parallel_model_trace,\n")])
+def test_an_unknown_sdk_without_the_variants_api_is_refused_by_name(fake_neuron, prefill, module, name):
+    """With backend.check_sdk_release=false an SDK outside the table may lack the API a variant compiles with: the
+    module itself (ModelBuilder's), or the name in a module that is there (parallel_model_trace)."""
+    package = fake_neuron / "neuronx_distributed"  # a link to tests/fake_neuron: edit a copy, never the stand-in
+    source = package.resolve()
+    package.unlink()
+    shutil.copytree(source, package)
+    fake_sdk.forget_modules()
+    importlib.invalidate_caches()
+    path = fake_neuron / module
+    if name is None:
+        path.unlink()
+    else:
+        path.write_text(path.read_text().replace(name, ""))  # the module imports, without the name
+    reason = missing_api(prefill, check_release=False, allow_unsupported_host_prefill=True)
+    api = "ModelBuilder" if prefill == "device" else "parallel_model_trace"
+    assert reason and f"{api}, which the installed Neuron SDK lacks" in reason and "deploy/install-inf2.sh" in reason

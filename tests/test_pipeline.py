@@ -16,6 +16,8 @@ from pipeline.stages.package import version_name
 from .conftest import run_cli
 from .helpers import CPU_COMPILER
 
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"
 LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")

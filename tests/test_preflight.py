@@ -28,6 +28,7 @@ from pipeline.host.preflight import (
     trace_need,
     validate_need,
 )
+from pipeline.paths import Paths
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.plan import ShardPlan, load_rank_state
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, spec_from_config
@@ -35,6 +36,8 @@ from pipeline.stages import trace as trace_stage
 
 from .helpers import config, run
 from .test_spec_and_plan import E4B_CONFIG
+
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
 
 MEMINFO = """MemTotal:       131072000 kB
 MemFree:         2048000 kB
@@ -174,6 +177,28 @@ def test_a_checkpoint_is_judged_by_its_own_size(tmp_path):
     problems = decide(full, host(16))  # the whole E4B on a small host: still refused, with the numbers and the fix
     assert len(problems) == 1 and "(2 rank(s) of 4.40 GiB of weights) needs" in problems[0]
     assert "this host offers 16.0 GiB" in problems[0] and "Add swap: sudo fallocate -l" in problems[0]
+
+
+def test_modelbuilders_sharded_checkpoints_are_counted_where_it_writes_them(tmp_path):
+    """A device-prefill neuron build also writes every rank's weights into ModelBuilder's work folder
+    (tp{rank}_sharded_checkpoint.safetensors, NxD v2.28.0 model_builder.py:764-773): E4B's 2 x 4.40 GiB more, on the
+    file system of backend.compiler_workdir (or the variant's folder), and only there."""
+    checkpoint = e4b_config(tmp_path / "e4b")
+
+    def disk_of(variant, *extra):
+        cfg = config(tmp_path / "artifacts", "backend=neuron", "model=gemma4_e4b", f"model.path={checkpoint}", *extra,
+                     variant=variant)
+        est = trace_stage.estimate(cfg, "neuron", load_spec(checkpoint))
+        base = int(est.resources.disk_gb * GIB)  # rank files, archive, compiler files
+        return trace_stage.preflight_need(cfg, "neuron", est).disk, base, est.weights.ranks, Paths.of(cfg).variant_dir
+
+    device, base, ranks, variant_dir = disk_of("2048_bf16")
+    assert device[str(variant_dir)] - base == ranks
+    assert ranks / GIB == pytest.approx(2 * 4.40, abs=0.01)
+    host_prefill, base, _, variant_dir = disk_of("2048_bf16_host")  # parallel_model_trace writes no such files
+    assert host_prefill[str(variant_dir)] == base
+    elsewhere, base, _, variant_dir = disk_of("2048_bf16", f"backend.compiler_workdir={tmp_path / 'scratch'}")
+    assert elsewhere[str(tmp_path / "scratch")] - base == ranks and elsewhere[str(variant_dir)] == base
 
 
 def test_a_configured_figure_overrides_the_derived_one():

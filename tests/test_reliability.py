@@ -190,7 +190,8 @@ def no_temps(directory: Path) -> bool:
 
 # -- a full disk ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("step", ["trace", "package", "pull"])
+# the trace step rebuilds from scratch: make test-slow, for make test's budget
+@pytest.mark.parametrize("step", [pytest.param("trace", marks=pytest.mark.slow), "package", "pull"])
 def test_a_full_disk_fails_cleanly_and_the_rerun_works_once_there_is_room(built, tmp_path, step):
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))
@@ -237,6 +238,7 @@ def published_history(repo: Path) -> tuple[list[str], list[str]]:
     return git("rev-list", "--all"), git("tag")
 
 
+@pytest.mark.slow  # a whole build and validation (make test-slow), for make test's budget
 def test_a_forced_rebuild_gives_the_same_archive_and_publishes_nothing(built, tmp_path):
     root = copy_of(built, tmp_path / "artifacts")
     paths = Paths.of(config(root, *FAST_VALIDATE))

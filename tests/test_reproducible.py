@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.artifact.manifest import Manifest
 
-pytestmark = pytest.mark.slow  # `make test-slow`, and under the production and lowest versions
+# `make test-slow`, and under the production and lowest versions
+pytestmark = [pytest.mark.slow, pytest.mark.across_versions]
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("toolchain", "model", "trace", "package")

@@ -23,6 +23,9 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
+import torch
+
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"
@@ -186,8 +189,13 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
      "tools", "unknown field 'tools'"),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
      "model 'other' is not served here"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
+     "n", "one choice per request"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
-                              "temperature": 0.8}, 400, "temperature", "decodes greedily"),
+                              "temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "logprobs": 6}, 400, "logprobs", "less than or equal"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600},
      400, "max_tokens", "ask for at most 497"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "Paris is a city. " * 150}]},
@@ -197,6 +205,20 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
     ("/v1/completions", {"model": "VERSION", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "greater than"),
     ("/generate", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
+    # A boolean is no number (it was taken as one token), a string or a float no integer.
+    ("/generate", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "valid integer (got True)"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": True}, 400, "max_tokens", "valid integer"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": "3"}, 400, "max_tokens", "valid integer"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 2.5}, 400, "max_tokens", "valid integer"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": False}, 400, "max_completion_tokens", "valid integer"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": True}, 400, "temperature", "valid number"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "seed": True},
+     400, "seed", "valid integer"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "stream": 1}, 400, "stream", "valid boolean"),
+    # Longer than any prompt that could fit the cache: refused by its length, before it is tokenized.
+    ("/v1/completions", {"model": "VERSION", "prompt": "Paris " * 20000}, 400, "prompt", "characters: more than"),
 ])
 def test_a_bad_request_is_refused_naming_the_field_and_the_server_keeps_serving(server, route, body, status, param,
                                                                                 said):
@@ -206,6 +228,190 @@ def test_a_bad_request_is_refused_naming_the_field_and_the_server_keeps_serving(
     error = response.json()["error"]
     assert response.status == status and error["param"] == param and said in error["message"], error
     assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+
+
+# -- oversized requests ---------------------------------------------------------------------------------------------
+
+def raw_request(port: int, head: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head.encode())
+    return sock
+
+
+def status_of(sock: socket.socket) -> tuple[int, str]:
+    """The status and body of the answer on ``sock`` (read up to the end of its JSON)."""
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode(errors="replace")
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server, client):
+    from openai import APIStatusError
+
+    route = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # A declared 10 MB: answered 413 with no byte of the body sent.
+    declared = raw_request(server.port, route + f"Content-Length: {10 * 2**20}\r\n\r\n")
+    status, body = status_of(declared)
+    assert status == 413 and "serve --max-request-bytes" in body and "10485760 bytes" in body, body
+    declared.close()
+    # Chunked, with no length: answered 413 once it has grown past the bound, while the client is still sending.
+    chunked = raw_request(server.port, route + "Transfer-Encoding: chunked\r\n\r\n")
+    piece = b'{"prompt": "' + b"x" * 65536
+    for _ in range(20):
+        chunked.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    status, body = status_of(chunked)
+    assert status == 413 and "at least" in body, body
+    chunked.close()
+    with pytest.raises(APIStatusError) as refused:  # the official client, 2 MB
+        client.completions.create(model=server.version, prompt="Paris " * (2 * 2**20 // 6), max_tokens=2)
+    assert refused.value.status_code == 413 and "--max-request-bytes" in str(refused.value)
+    assert server.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+
+
+def test_health_answers_while_a_body_is_still_arriving(server):
+    slow = raw_request(server.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    "Content-Length: 400000\r\n\r\n")
+    slow.sendall(b'{"prompt": "' + b"x" * 200000)  # half of it; the rest comes later, or never
+    assert server.get("/health").status == 200
+    slow.sendall(b"x" * (400000 - 200000 - 14) + b'", "a": 1}')
+    status, body = status_of(slow)
+    assert status == 400, body
+    slow.close()
+
+
+async def asgi(app, method: str, path: str, body: bytes = b"") -> int:
+    """One request to an ASGI ``app``, as uvicorn would hand it over: the answer's status."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    delivered, status = False, {}
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the client stays connected
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status["code"] = message["status"]
+
+    await app(scope, receive, send)
+    return status["code"]
+
+
+def test_tokenizing_a_prompt_does_not_hold_up_health():
+    """In one process: a prompt whose tokenizer is held on an event; /health must answer while it is held (it
+    waited for the tokenizer when prompts were tokenized on the event loop)."""
+    import asyncio
+
+    from pipeline.serving.api import Service, create_app
+
+    held, release, outcome = threading.Event(), threading.Event(), {}
+
+    class Engine:
+        version, max_prompt_chars = "v", 10_000
+        manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
+        shape = type("S", (), {"kv_max": 512})()
+
+        def text_ids(self, prompt):
+            held.set()
+            # Released by the test once /health answered; never, if tokenizing held up the event loop.
+            outcome["released"] = release.wait(10)
+            return [1] * 600  # too many for the cache: refused once tokenized, nothing decodes
+
+        def room(self, n):
+            return 512 - n
+
+        def close(self):
+            pass
+
+    async def scenario() -> tuple[int, int]:
+        service = Service(Engine(), queue_size=2, queue_timeout_s=30, max_request_bytes=2**20)
+        service.open()
+        service.ready()
+        app = create_app(service)
+        completion = asyncio.ensure_future(asgi(app, "POST", "/v1/completions", b'{"model": "v", "prompt": "hi"}'))
+        while not held.is_set():
+            await asyncio.sleep(0.01)
+        health = await asyncio.wait_for(asgi(app, "GET", "/health"), timeout=20)
+        release.set()
+        answered = await completion
+        service.shutdown()
+        return health, answered
+
+    try:
+        assert asyncio.run(scenario()) == (200, 400)
+        assert outcome["released"], "/health answered only after the tokenizer gave up waiting"
+    finally:
+        release.set()
+
+
+# -- sampling ------------------------------------------------------------------------------------------------------
+
+def test_sampling_is_reproducible_by_seed_and_greedy_at_temperature_zero(server, client):
+    asked = {"model": server.version, "prompt": "The capital of France is", "max_tokens": 12}
+    greedy = client.completions.create(**asked).choices[0].text
+    assert client.completions.create(**asked, temperature=0, seed=3).choices[0].text == greedy
+    first = client.completions.create(**asked, temperature=1.5, seed=7).choices[0].text
+    assert client.completions.create(**asked, temperature=1.5, seed=7).choices[0].text == first  # the same text
+    drawn = {client.completions.create(**asked, temperature=1.5, seed=seed).choices[0].text for seed in range(6)}
+    assert drawn - {greedy}  # it does sample
+    # top_p so small that only the most likely token is left at each step: the greedy text again
+    assert client.completions.create(**asked, temperature=1.5, top_p=1e-6, seed=9).choices[0].text == greedy
+    streamed = client.completions.create(**asked, temperature=1.5, seed=7, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == first
+
+
+def test_logprobs_come_from_each_steps_logits(server, client):
+    chat = client.chat.completions.create(model=server.version, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=6, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) in (chat.usage.completion_tokens, chat.usage.completion_tokens - 1)  # the EOS is not shown
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert entry.logprob == tops[0] and entry.token == entry.top_logprobs[0].token  # greedy: the most likely
+        assert entry.bytes == list(entry.token.encode())
+    completion = client.completions.create(model=server.version, prompt="The capital of France is", max_tokens=5,
+                                           logprobs=2, temperature=1.0, seed=1)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) <= 2 and lp <= max(top.values()) for top, lp in zip(logprobs.top_logprobs,
+                                                                            logprobs.token_logprobs))
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    streamed = client.chat.completions.create(model=server.version, messages=[{"role": "user", "content": QUESTION}],
+                                              max_tokens=6, logprobs=True, stream=True)
+    per_token = [c.choices[0].logprobs.content[0].logprob for c in streamed
+                 if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content]
+    assert per_token == [e.logprob for e in content]
+
+
+def test_penalties_lower_what_was_generated():
+    """The host-side choice (pipeline/serving/sampling.py), on logits where one token leads by 1.0."""
+    from pipeline.serving.sampling import Sampler, SamplingParams, nucleus
+
+    logits = torch.zeros(8)
+    logits[5], logits[2] = 1.0, 0.5
+    plain = Sampler(SamplingParams())
+    assert [plain.choose(logits) for _ in range(3)] == [5, 5, 5]
+    penalized = Sampler(SamplingParams(frequency_penalty=2.0))
+    assert [penalized.choose(logits) for _ in range(2)] == [5, 2]  # 5 drops to -1.0 after its first use
+    presence = Sampler(SamplingParams(presence_penalty=0.6))  # once per token seen, however often
+    assert [presence.choose(logits) for _ in range(4)] == [5, 2, 5, 5]  # 0.4 < 0.5; then 2 at -0.1
+    kept = nucleus(torch.tensor([0.5, 0.3, 0.15, 0.05]), 0.7)
+    assert kept.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    seeded = [Sampler(SamplingParams(temperature=1.0, seed=11)).choose(torch.zeros(50)) for _ in range(2)]
+    assert seeded[0] == seeded[1]
 
 
 def test_health_and_metrics(server):

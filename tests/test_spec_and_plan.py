@@ -12,6 +12,8 @@ from pipeline.recipe.host import split_kv_for_ranks
 from pipeline.recipe.plan import ShardPlan
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_from_config
 
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+
 # The shape-bearing fields of google/gemma-4-E4B-it's config.json (the multimodal release nests the decoder).
 E4B_CONFIG = {
     "model_type": "gemma4",

@@ -9,16 +9,20 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import pytest
 
 from pipeline.backends import neuron_sdk
-from pipeline.cli import upgrades
+from pipeline.cli import neuron_lock, upgrades
 
 # Build hashes (local versions), as Neuron's wheels carry them: f702b353 is 2.28.1's neuronx-cc; the rest stand-ins.
 HASHES = {"2.23.6484.0": "f702b353", "2.21.33363.0": "5f4c2a10", "2.8.0.2.12.22436": "b8c0a3d1",
@@ -119,8 +123,12 @@ def env(tmp_path, isolated_pip) -> str:
     return environment(tmp_path, row("2.26.1"))
 
 
-def check(python: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", "check-upgrades", "--python", python, *args],
+def check(python: str, *args: str, lock_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """check-upgrades on ``python``'s environment; its release locks go to ``lock_dir`` (by default a new folder,
+    never the checkout's deploy/lock/), with no base lock beneath them."""
+    lock_dir = lock_dir or Path(tempfile.mkdtemp(prefix="locks-"))
+    return subprocess.run([sys.executable, "-m", "pipeline", "check-upgrades", "--python", python, *args,
+                           "--lock-dir", str(lock_dir), "--base-lock", str(lock_dir / "no-base-lock.txt")],
                           capture_output=True, text=True)
 
 
@@ -201,28 +209,28 @@ def test_a_higher_public_version_loses_to_the_neuron_repository(env, tmp_path, m
     assert upgrades.installed_versions(env) == row("2.28.1")
 
 
-def test_a_dependency_only_the_neuron_repository_serves_comes_from_it_or_nothing_is_installed(env, tmp_path,
-                                                                                             monkeypatch):
+def test_a_dependency_only_the_neuron_repository_serves_comes_from_it_whatever_another_index_offers(env, tmp_path,
+                                                                                                   monkeypatch):
     # torch-neuronx requires aws-neuronx-runtime-discovery, which only the Neuron repository serves (2.9). pip.conf in
-    # production reads PyPI first and the Neuron repository as an extra index; a higher upload to PyPI (99.0) would
-    # win in pip (no priority between indexes), so --apply refuses it, naming it, and installs nothing.
+    # production reads PyPI first and the Neuron repository as an extra index; a higher upload to PyPI (99.0, with a
+    # dependency of its own) would win in pip (no priority between indexes). --apply installs the Neuron repository's
+    # 2.9, names the other upload, and neither it nor its dependency is locked or installed.
     discovery = "aws-neuronx-runtime-discovery"
     index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"], {discovery: ["2.9"]},
                          {"torch-neuronx": [discovery]})
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
     marker, rebuild = rebuild_marker(tmp_path)
-    hostile = simple_index(tmp_path / "hostile", {discovery: ["99.0"]})
+    hostile = simple_index(tmp_path / "hostile", {discovery: ["99.0"], "evil-extra": ["1.0"]},
+                           {discovery: ["evil-extra"]})
     monkeypatch.setenv("PIP_INDEX_URL", hostile)
-    refused = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
-    assert refused.returncode == upgrades.ERROR, refused.stdout + refused.stderr
-    assert f"pip would install {discovery} 99.0 from {tmp_path.as_uri()}/hostile/" in refused.stderr
-    assert "Nothing was installed" in refused.stderr and not marker.exists()
-    assert upgrades.installed_versions(env, [*neuron_sdk.PACKAGES, discovery]) == {**row("2.26.1"), discovery: None}
-    # PyPI's placeholder (lower) or nothing: the Neuron repository's 2.9 is installed with the release.
-    monkeypatch.setenv("PIP_INDEX_URL", simple_index(tmp_path / "public", {discovery: [PLACEHOLDER]}))
-    applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild)
+    locks = tmp_path / "locks"
+    applied = check(env, "--neuron-index", index, "--apply", "--rebuild-command", rebuild, lock_dir=locks)
     assert applied.returncode == upgrades.UP_TO_DATE, applied.stdout + applied.stderr
-    assert upgrades.installed_versions(env, [*neuron_sdk.PACKAGES, discovery]) == {**row("2.28.1"), discovery: "2.9"}
+    assert f"another index offers {discovery} 99.0 ({tmp_path.as_uri()}/hostile/" in applied.stderr
+    assert upgrades.installed_versions(env, [*neuron_sdk.PACKAGES, discovery, "evil-extra"]) == {
+        **row("2.28.1"), discovery: "2.9", "evil-extra": None}
+    locked = neuron_lock.read(locks / "neuron-2.28.1-torch2.8.0.txt")
+    assert {e.name: e.version for e in locked} == {**row("2.28.1"), discovery: "2.9"}
     assert marker.read_text() == "yes"
 
 
@@ -276,3 +284,147 @@ def test_a_page_is_read_as_pip_reads_it_and_newer_builds_count_by_their_neuron_p
     available["torch-neuronx"].append(upgrades.Offer("torch-neuronx", "2.7.0.2.14.1", "u"))  # torch 2.7, Neuron 2.14
     assert upgrades.beyond_table(available) == ["torch-neuronx 2.7.0.2.14.1"]
 
+
+
+# -- the first install: one release from its lock file -------------------------------------------------------------
+
+def empty_environment(path: Path) -> str:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    return str(path / "bin" / "python")
+
+
+def install_neuron(python: str, lock_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "install-neuron", "--python", python, *args,
+                           "--lock-dir", str(lock_dir), "--base-lock", str(lock_dir / "no-base-lock.txt")],
+                          capture_output=True, text=True)
+
+
+def test_the_first_install_takes_every_neuron_file_from_the_neuron_repository_by_sha256(tmp_path, isolated_pip,
+                                                                                         monkeypatch):
+    """Two indexes as a host's pip settings name them, the public one first; the public one serves 99.0 of every
+    Neuron name, aws-neuronx-runtime-discovery (which torch-neuronx requires and only the Neuron repository serves)
+    included. The install the docs used to show takes 99.0; install-neuron takes the Neuron repository's files, locks
+    them by sha256, and a second host installs those very bytes from the lock with no index at all."""
+    discovery = "aws-neuronx-runtime-discovery"
+    index = neuron_index(tmp_path / "neuron", ["2.28.1"], {discovery: ["2.9"]}, {"torch-neuronx": [discovery]})
+    public = simple_index(tmp_path / "public", {name: ["99.0"] for name in [*neuron_sdk.PACKAGES, discovery]})
+    monkeypatch.setenv("PIP_INDEX_URL", public)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
+    wanted = {**row("2.28.1"), discovery: "2.9"}
+
+    naive = empty_environment(tmp_path / "naive")  # pip install '.[neuron]' --extra-index-url NEURON, in effect
+    subprocess.run([*upgrades.pip(naive), "install", "--quiet", f"torch-neuronx=={wanted['torch-neuronx']}"],
+                   check=True, capture_output=True)
+    assert upgrades.installed_versions(naive, [discovery]) == {discovery: "99.0"}
+
+    locks = tmp_path / "locks"
+    first = empty_environment(tmp_path / "first")
+    done = install_neuron(first, locks, "--neuron-index", index)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert upgrades.installed_versions(first, list(wanted)) == wanted
+    lock = locks / "neuron-2.28.1-torch2.8.0.txt"
+    assert f"wrote {lock}" in done.stderr and "commit it" in done.stderr
+    entries = neuron_lock.read(lock)
+    assert {e.name: e.version for e in entries} == wanted
+    for entry in entries:
+        path = Path(url2pathname(urlparse(entry.url).path))
+        assert path.parent == tmp_path / "neuron" / "wheels"
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256
+
+    shutil.rmtree(tmp_path / "neuron" / "simple")  # the Neuron repository's pages gone: the lock alone decides
+    second = empty_environment(tmp_path / "second")
+    again = install_neuron(second, locks, "--neuron-index", (tmp_path / "gone").as_uri())
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert upgrades.installed_versions(second, list(wanted)) == wanted
+
+    # Other bytes under a locked URL (a replaced file, a man in the middle): refused by their hash, nothing installed.
+    locked_file = Path(url2pathname(urlparse(next(e.url for e in entries if e.name == discovery)).path))
+    (tmp_path / "forged").mkdir()
+    forged = wheel(tmp_path / "forged", discovery, "2.9", ["evil-extra"])
+    shutil.copyfile(forged, locked_file)
+    third = empty_environment(tmp_path / "third")
+    refused = install_neuron(third, locks)
+    assert refused.returncode == 1 and "checked against its sha256" in refused.stderr
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in refused.stderr
+    assert set(upgrades.installed_versions(third, list(wanted)).values()) == {None}
+
+
+def test_a_lock_of_another_release_or_a_malformed_line_is_refused(tmp_path, isolated_pip):
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    lock = locks / "neuron-2.28.1-torch2.8.0.txt"
+    lock.write_text("torch-neuronx @ file:///x/torch_neuronx-2.8.0.2.10.16998-py3-none-any.whl --hash=sha256:"
+                    + "0" * 64 + "\n")
+    env = empty_environment(tmp_path / "env")
+    wrong = install_neuron(env, locks)
+    assert wrong.returncode == 1 and "does not lock release 2.28.1" in wrong.stderr, wrong.stderr
+    lock.write_text("torch-neuronx==2.8.0.2.12.22436\n")  # a pin without a file and a hash
+    malformed = install_neuron(env, locks)
+    assert malformed.returncode == 1 and "is not 'name @ URL --hash=sha256:HEX'" in malformed.stderr
+
+
+def test_the_documented_install_script_installs_both_locks_and_the_public_index_cannot_win(tmp_path, isolated_pip,
+                                                                                             monkeypatch):
+    """deploy/install-inf2.sh, as docs/inf2-host.md and the workflow run it, against two local indexes: a base lock of
+    one stand-in package from the public index, the pipeline itself, then release 2.28.1 made and installed from its
+    lock. The public index also serves aws-neuronx-runtime-discovery 99.0, and the host's pip settings name the Neuron
+    repository as an extra index (the set-up in which pip alone installs 99.0)."""
+    discovery = "aws-neuronx-runtime-discovery"
+    index = neuron_index(tmp_path / "neuron", ["2.28.1"], {discovery: ["2.9"]}, {"torch-neuronx": [discovery]})
+    public = simple_index(tmp_path / "public", {"base-dep": ["1.0"], discovery: ["99.0"]})
+    base_wheel = next((tmp_path / "public" / "wheels").glob("base_dep-*.whl"))
+    base_lock = tmp_path / "inf2-base.txt"
+    base_lock.write_text(f"base-dep==1.0 \\\n    --hash=sha256:{hashlib.sha256(base_wheel.read_bytes()).hexdigest()}\n")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # The pipeline's own dependencies (pip and setuptools among them) come from this test environment (no network
+    # here), standing for what the real base lock installs; the script installs the rest.
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "test-environment.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    script = Path(__file__).resolve().parent.parent / "deploy" / "install-inf2.sh"
+    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VENV": str(venv), "PUBLIC_INDEX": public, "NEURON_INDEX": index,
+                               "BASE_LOCK": str(base_lock), "LOCK_DIR": str(tmp_path / "locks")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    python = str(venv / "bin" / "python")
+    assert upgrades.installed_versions(python, [*neuron_sdk.PACKAGES, discovery, "base-dep"]) == {
+        **row("2.28.1"), discovery: "2.9", "base-dep": "1.0"}
+    assert (tmp_path / "locks" / "neuron-2.28.1-torch2.8.0.txt").is_file()
+    assert "installed Neuron SDK release 2.28.1" in done.stdout
+
+
+def test_the_docs_and_the_workflow_install_with_the_script_and_the_base_lock_follows_pyproject():
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs" / "inf2-host.md").read_text()
+    workflow = (root / ".github" / "workflows" / "rebuild.yml").read_text()
+    assert "deploy/install-inf2.sh" in docs and "run: deploy/install-inf2.sh" in workflow
+    assert "--extra-index-url" not in workflow
+    assert all("Do not install" in para for para in docs.split("\n\n") if "--extra-index-url" in para)
+    # The base lock: every file hash-pinned, every dependency of pyproject.toml's [project], [s3] and [serve]
+    # satisfied, torch and transformers at the [neuron] extra's pins, the build backend present.
+    import tomllib
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    lock = (root / "deploy" / "lock" / "inf2-base.txt").read_text()
+    pins: dict[str, list[str]] = {}  # a universal lock may pin a name twice, under two markers
+    for pin in neuron_lock.base_pins(root / "deploy" / "lock" / "inf2-base.txt"):
+        pins.setdefault(canonicalize(pin.split("==")[0]), []).append(pin.split("==")[1].split(";")[0].strip())
+    blocks = [b for b in lock.split("\n") if b[:1].isalnum()]
+    assert len(blocks) == sum(map(len, pins.values())) > 100
+    assert all(b.rstrip().endswith("\\") for b in blocks)  # each pin continues with its hashes
+    extras = project["project"]["optional-dependencies"]
+    wanted = [*project["project"]["dependencies"], *extras["s3"], *extras["serve"],
+              *project["build-system"]["requires"],
+              *[r for r in extras["neuron"] if r.startswith(("torch==", "transformers=="))]]
+    for spec in map(Requirement, wanted):
+        assert any(spec.specifier.contains(v, prereleases=True) for v in pins[canonicalize(spec.name)]), spec
+    assert not set(map(canonicalize, neuron_sdk.PACKAGES)) & set(pins)  # the Neuron packages have their own locks
+
+
+def canonicalize(name: str) -> str:
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -84,7 +85,19 @@ def break_build(kind: str, root: Path, tmp_path: Path, cfg) -> None:
     replace_ranks(root, ranks)
 
 
-@pytest.fixture(scope="module", params=["perturbed_rank", "skipped_layer_scalar", "swapped_ranks"])
+BREAKAGES = ("perturbed_rank", "skipped_layer_scalar", "swapped_ranks")
+
+
+def breakage_and_mode() -> list:
+    """Every breakage in every parity mode; `make test` (and each version environment) runs a Latin square of them
+    (each breakage once, each mode once), and the other six are marked slow (`make test-slow`), for `make test`'s
+    budget."""
+    square, rest = pytest.mark.across_versions, pytest.mark.slow
+    return [pytest.param(kind, mode, marks=square if (i - j) % len(MODES) == 0 else rest)
+            for i, kind in enumerate(BREAKAGES) for j, mode in enumerate(MODES)]
+
+
+@pytest.fixture(scope="module")
 def broken(request, project, tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp(request.param)
     root = clone_variant(project, tmp_path)
@@ -94,7 +107,7 @@ def broken(request, project, tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("broken", "mode"), breakage_and_mode(), indirect=["broken"])
 def test_a_broken_artifact_fails_every_parity_mode(broken, mode):
     cfg = config(broken, *FAST_VALIDATE, f"validate.parity.fp32={mode}")
     with pytest.raises(ParityError, match=f"parity failed \\({mode}\\)"):
@@ -105,6 +118,7 @@ def test_a_broken_artifact_fails_every_parity_mode(broken, mode):
         run(cfg, "publish")
 
 
+@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
 def test_the_healthy_build_passed_every_gate_and_reports_nxdi_keys(project):
     paths = Paths(project, "gemma4_tiny", "512_fp32")
     report = read_json(paths.validation_report)
@@ -116,11 +130,13 @@ def test_the_healthy_build_passed_every_gate_and_reports_nxdi_keys(project):
     assert report["contexts"]["short"]["tokens_per_s"] == tput["tokens_per_s"]  # the slowest, of one context
     assert report["peak_rss_mb"]["host"] > 0 and report["peak_rss_mb"]["ranks"] > 0
     assert report["backend"] == "cpu" and report["hardware"] == "local"
+    assert report["threads"] == {"host_prefill": 0, "decode": 1, "usable_cpus": len(os.sched_getaffinity(0))}
     assert report["throughput_gate"]["floor"] == "cpu.any"
     rows = read_json(paths.plot_rows)
     assert [r["context"] for r in rows] == ["short"] and rows[0]["tokens_per_s"] > 0
 
 
+@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
 def test_metrics_hold_the_headline_figures_only(project):
     """metrics.json is what dvc metrics show prints, one column per figure: the figures a person compares."""
     paths = Paths(project, "gemma4_tiny", "512_fp32")
@@ -157,6 +173,7 @@ def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     assert divergence["reference_after"] != divergence["ours_after"]
 
 
+@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
 def test_bf16_passes_on_its_logits(project, tmp_path):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE, variant="512_bf16")
@@ -215,6 +232,7 @@ def test_every_pipeline_error_is_raised_again_as_itself(cls):
 
 # -- bad input, refused before anything is loaded ---------------------------------------------------------------
 
+@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
 def test_a_prompt_longer_than_the_variant_allows_is_refused_before_loading(project, tmp_path, monkeypatch):
     from pipeline.stages import validate
 
@@ -255,3 +273,65 @@ def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     chosen, coverage = select_prompts(reference["prompts"], BuildShape(512, 128, "fp32", "device", 2), 32, None)
     assert coverage == {"near_bucket": ["near_128"], "multi_bucket": ["near_512"]}
     assert len(chosen) == 5
+
+
+@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypatch):
+    """The thread policy per phase (validation/generation.py): the seed measured E4B's host prefill at 6.3 s on one
+    thread and 1.4 s on 32, so a prefill left at the validation process's one thread would be gated (and served)
+    several times slower than the host allows. Each phase's thread count is seen from inside it."""
+    from pipeline.core.shape import BuildShape
+    from pipeline.validation import generation
+
+    monkeypatch.setattr(generation, "usable_cpus", lambda: 7)
+    seen: dict[str, list[int]] = {"prefill": [], "decode": []}
+    shape = BuildShape(64, 16, "bf16", "host", 2)
+    vocab = 11
+
+    class Runner:
+        def __init__(self):
+            self.shape = shape
+
+        def seed_kv(self, per_rank):
+            pass
+
+        def decode(self, embeds, per_layer, positions, last_index):
+            seen["decode"].append(torch.get_num_threads())
+            logits = torch.zeros(1, vocab)
+            logits[0, 3] = 1.0
+            return logits, torch.tensor([3])
+
+    class HostModel:
+        def prefill(self, token_ids):
+            seen["prefill"].append(torch.get_num_threads())
+            logits = torch.zeros(1, vocab)
+            logits[0, 2] = 1.0
+            return logits, torch.tensor([2]), [torch.zeros(1, 2, 64, 4)]
+
+    torch.set_num_threads(1)  # as the validation process sets it
+    gen = generation.Generator(Runner(), lambda ids: (torch.zeros(1, len(ids), 4), torch.zeros(1, len(ids), 1)),
+                               eos_ids=(9,), pad_id=0, host_prefill=HostModel())
+    out = gen.generate([1, 2, 3], 4)
+    assert out.tokens == [2, 3, 3, 3]
+    assert seen == {"prefill": [7], "decode": [1, 1, 1]}
+    assert gen.threads == {"host_prefill": 7, "decode": 1, "usable_cpus": 7}
+    assert torch.get_num_threads() == 1  # restored
+
+
+def test_usable_cpus_follow_a_cgroup_quota(tmp_path, monkeypatch):
+    from pipeline.host import procinfo
+
+    group = tmp_path / "cg" / "job"
+    group.mkdir(parents=True)
+    (group / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        return real_open(tmp_path / "cgroup", *args, **kwargs) if path == "/proc/self/cgroup" else real_open(
+            path, *args, **kwargs)
+
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert procinfo.usable_cpus(str(tmp_path / "cg")) == 1
+    (group / "cpu.max").write_text("max 100000\n")
+    assert procinfo.usable_cpus(str(tmp_path / "cg")) == len(os.sched_getaffinity(0))

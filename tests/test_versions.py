@@ -23,6 +23,8 @@ from pipeline.recipe.spec import PER_LAYER_CONFIG_SINCE, reads_per_layer_config,
 
 from .helpers import config, run
 
+pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from pipeline.artifact.formats import FORMATS
 from pipeline.core.errors import IntegrityError
-from pipeline.core.fsutil import sha256_file, temp_dir_beside
+from pipeline.core.fsutil import is_out_of_space, sha256_file, temp_dir_beside
 
 if TYPE_CHECKING:
     from pipeline.artifact.manifest import Manifest
 
-FORMATS = ("tar.zst", "tar.gz", "tar")
-SUFFIX = {"tar.zst": ".tar.zst", "tar.gz": ".tar.gz", "tar": ".tar"}
 READ_CHUNK = 8 << 20
 BLOCK = tarfile.BLOCKSIZE  # 512
 RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records
@@ -265,6 +264,8 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path) -> VerifiedB
                     seen.add(member)
                     _write_member(tar, info, tmp / member, allowed[member])
         except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
+            if is_out_of_space(exc):  # the destination is full, not the archive broken: the caller says where
+                raise
             raise IntegrityError(f"archive {archive} cannot be read: {exc}") from None
         missing = sorted(set(allowed) - seen)
         if missing:

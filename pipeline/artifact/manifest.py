@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from pipeline.artifact.formats import FORMATS, SUFFIX
 from pipeline.core.build_records import Compiler, Member, ModelIdentity, Variant
-from pipeline.core.errors import IntegrityError
+from pipeline.core.errors import InputError, IntegrityError
+from pipeline.core.names import component_problem
 from pipeline.core.records import Record
 from pipeline.core.shape import BuildShape, rank_members
 
@@ -90,7 +93,43 @@ class Manifest(Record):
             if sorted(names) != sorted(expected):
                 found.append(f"members {sorted(names)} do not match tp_degree={self.variant.tp_degree} "
                              f"(expected {expected})")
-        root = self.archive.root
-        if not root or "/" in root or root in (".", "..") or root.startswith("."):
-            found.append(f"archive.root {root!r} must be a plain directory name")
+        # Each name below becomes a path on the consumer's disk (pull: DEST/<root>/, its work folder's <name>) or a
+        # tag: a published manifest is input from outside like any other (pipeline/core/names.py).
+        problem = component_problem(self.version)
+        if problem:
+            found.append(f"version {self.version!r} must be a plain name ({problem})")
+        problem = component_problem(self.archive.root)
+        if problem:
+            found.append(f"archive.root {self.archive.root!r} must be a plain directory name ({problem})")
+        problem = component_problem(self.archive.name)
+        if problem:
+            found.append(f"archive.name {self.archive.name!r} must be a plain file name ({problem})")
+        if self.archive.format not in FORMATS:
+            found.append(f"archive.format {self.archive.format!r} is not one of {list(FORMATS)}")
+        elif not self.archive.name.endswith(SUFFIX[self.archive.format]):
+            found.append(f"archive.name {self.archive.name!r} does not end in {SUFFIX[self.archive.format]!r}, its "
+                         f"format's suffix")
         return found
+
+
+# -- where a rank directory's manifest is -------------------------------------------------------------------------
+
+def manifest_beside(rank_dir: Path) -> Path:
+    return rank_dir.with_name(rank_dir.name + ".manifest.json")
+
+
+def manifest_of(rank_dir: Path) -> Path:
+    """The manifest a rank directory is checked against: the one ``pull`` wrote beside it, or, for a build folder
+    (``artifacts/<model>/<variant>/build``), the package stage's ``dist/manifest.json``; else an error saying what to
+    pass."""
+    rank_dir = Path(rank_dir)
+    if manifest_beside(rank_dir).is_file():
+        return manifest_beside(rank_dir)
+    packaged = rank_dir.parent / "dist" / "manifest.json"
+    if rank_dir.name == "build" and packaged.is_file():
+        return packaged
+    if rank_dir.name == "build":
+        raise InputError(f"{rank_dir} is a build folder with no {packaged}: run stage=package for its variant first, "
+                         "or pass a directory `python -m pipeline pull` printed")
+    raise InputError(f"{rank_dir} has no {manifest_beside(rank_dir).name} beside it: pass the directory `python -m "
+                     "pipeline pull` printed, or a build folder (artifacts/<model>/<variant>/build, once packaged)")

@@ -5,10 +5,9 @@ without hashing gigabytes again. The signature (``manifest.sig``, a Sigstore bun
 artifact folder except the archive (bound through the manifest) and itself: a changed manifest, a foreign key or an
 extra file in the folder fails verification.
 
-Make a key pair with::
-
-    openssl ecparam -name prime256v1 -genkey -noout -out signing-key.pem
-    openssl ec -in signing-key.pem -pubout -out signing-key.pub.pem
+Make a key pair with ``KEYGEN``: the private key outside the checkout (``~/.config/gemma4-neuron-pipeline/``, readable
+by its owner only: a key in the tree is one ``git add .`` away from a commit, and .gitignore refuses ``*.pem`` there
+too), the public one beside it to hand out.
 """
 
 from __future__ import annotations
@@ -20,8 +19,10 @@ from pipeline.core.errors import IntegrityError
 
 SIGNATURE = "manifest.sig"
 MANIFEST = "manifest.json"
-KEYGEN = ("openssl ecparam -name prime256v1 -genkey -noout -out signing-key.pem && "
-          "openssl ec -in signing-key.pem -pubout -out signing-key.pub.pem")
+KEY_DIR = "~/.config/gemma4-neuron-pipeline"
+KEYGEN = (f"mkdir -p {KEY_DIR} && (umask 077 && openssl ecparam -name prime256v1 -genkey -noout -out "
+          f"{KEY_DIR}/signing-key.pem) && openssl ec -in {KEY_DIR}/signing-key.pem -pubout -out "
+          f"{KEY_DIR}/signing-key.pub.pem")
 
 
 def _hashing(folder: Path, archive_name: str):
@@ -36,7 +37,7 @@ def key_problem(path: str, kind: str, setting: str) -> str | None:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     try:
-        data = Path(path).read_bytes()
+        data = Path(path).expanduser().read_bytes()
     except OSError as exc:
         return f"{setting}={path!r} cannot be read ({exc.strerror}); make a key pair with: {KEYGEN}"
     try:
@@ -52,7 +53,7 @@ def key_problem(path: str, kind: str, setting: str) -> str | None:
 def public_key_pem(private_key: str) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    key = serialization.load_pem_private_key(Path(private_key).read_bytes(), password=None)
+    key = serialization.load_pem_private_key(Path(private_key).expanduser().read_bytes(), password=None)
     return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
@@ -63,7 +64,7 @@ def sign(folder: Path, archive_name: str, private_key: str) -> Path:
     folder = Path(folder).resolve()
     signature = folder / SIGNATURE
     signature.unlink(missing_ok=True)
-    signing.Config().use_elliptic_key_signer(private_key=private_key) \
+    signing.Config().use_elliptic_key_signer(private_key=str(Path(private_key).expanduser())) \
         .set_hashing_config(_hashing(folder, archive_name)).sign(folder, signature)
     return signature
 
@@ -81,6 +82,7 @@ def verify(folder: Path, archive_name: str, public_key: str | bytes) -> None:
             key_path = Path(tmp) / "key.pub.pem"
             key_path.write_bytes(public_key)
             public_key = str(key_path)
+        public_key = str(Path(public_key).expanduser())
         try:
             verifying.Config().use_elliptic_key_verifier(public_key=public_key) \
                 .set_hashing_config(_hashing(folder, archive_name)).verify(folder, signature)

@@ -3,20 +3,10 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-
+from pipeline.backends.packages import neuron_devices, neuron_packages_present, package_problem
 from pipeline.core.log import log
 
-NEURON_MODULES = ("torch_neuronx", "neuronx_distributed")
-
-
-def neuron_devices() -> list[str]:
-    return sorted(glob.glob("/dev/neuron[0-9]*"))
-
-
-def neuron_packages_present() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in NEURON_MODULES)
+__all__ = ["get_backend", "neuron_devices", "neuron_packages_present", "package_problem", "resolve"]
 
 
 def resolve(name: str) -> str:

@@ -78,8 +78,9 @@ class Backend(Protocol):
         """Refuse, before anything is written, what this backend cannot build (its packages, the variant, the
         checkpoint)."""
 
-    def check_installed(self) -> None:
-        """Refuse, before any stage runs, a backend whose packages are missing (where that is cheap to tell)."""
+    def check_installed(self, request: TraceRequest | None = None) -> None:
+        """Refuse, before any stage runs (the toolchain record included), a backend whose packages are missing, or
+        that cannot build ``request``'s variant with what is installed (where that is cheap to tell)."""
 
     def check_load(self, shape: BuildShape) -> None:
         """Refuse, before an archive is unpacked, a build of ``shape`` this backend cannot run."""
@@ -116,6 +117,9 @@ def check_request(request: TraceRequest):
     if problems:
         raise ConfigError(problems)
     spec = load_spec(request.checkpoint.directory)
+    problem = spec.positions_problem(request.shape.kv_max)
+    if problem:
+        raise ConfigError(problem)
     ShardPlan(spec, request.shape.tp_degree).check()
     with Checkpoint(request.checkpoint.directory, request.checkpoint.text_prefix, request.checkpoint.head_key) as ckpt:
         ckpt.verify(spec)

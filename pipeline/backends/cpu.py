@@ -338,7 +338,7 @@ class CpuBackend:
         """Every refusal that needs no tracing, before anything is written."""
         check_request(request)
 
-    def check_installed(self) -> None:
+    def check_installed(self, request: TraceRequest | None = None) -> None:
         """torch is all it needs."""
 
     def check_load(self, shape: BuildShape) -> None:

@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,18 +49,19 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
+from pipeline.backends import neuron_memory, neuron_sdk
 from pipeline.backends.base import RankRunner, TraceRequest, check_request
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
-from pipeline.backends.neuron_sdk import NEURON_INDEX
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
 from pipeline.core.fsutil import read_json, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape, rank_members
 from pipeline.core.units import visible_cores_problems
+from pipeline.recipe.spec import load_spec
 
-NEURON_EXTRA_HINT = ("install the Neuron packages on an inf2 host: pip install -e '.[neuron]' "
-                     f"--extra-index-url {NEURON_INDEX} (docs/inf2-host.md, 'On an inf2 host')")
+NEURON_EXTRA_HINT = "install the Neuron packages on an inf2 host: " + neuron_sdk.INSTALL.format(
+    release=neuron_sdk.PINNED)
 PER_RANK, NXD_MODEL = "per_rank", "nxd_model"
 HOST_OOM_RE = re.compile(r"(returned|exit(?:ed)?(?: with)?(?: code| status)?)\s*:?\s*-9\b|signal\s*(?:9|SIGKILL)\b"
                          r"|\bSIGKILL\b|\bKilled\b", re.IGNORECASE)
@@ -109,8 +111,6 @@ def missing_api(prefill: str, check_release: bool = True, allow_unsupported_host
     """Why this host cannot compile the variant (None when it can): a Neuron package missing, an installed mix that
     is not one SDK release, or host prefill on a release where it is not known to work (pipeline/backends/neuron_sdk.py
     says which, and why)."""
-    from pipeline.backends import neuron_sdk
-
     for module in ("torch_neuronx", "neuronx_distributed"):
         if importlib.util.find_spec(module) is None:
             return f"backend=neuron needs the Python package {module!r}: {NEURON_EXTRA_HINT}"
@@ -129,11 +129,17 @@ def missing_api(prefill: str, check_release: bool = True, allow_unsupported_host
         if row.host_prefill != neuron_sdk.SUPPORTED:
             log.warning("prefill=host on Neuron SDK %s: parallel_model_trace is %s (pipeline/backends/neuron_sdk.py)",
                         row.release, row.host_prefill)
+    # Every release of the table has both APIs; an SDK the table does not know (backend.check_sdk_release=false) may
+    # lack one, as a module that is not there or a name it does not export: both are refused here, not mid-compile.
     module, name = ("neuronx_distributed.trace", "parallel_model_trace") if prefill == "host" else (
         "neuronx_distributed.trace.model_builder", "ModelBuilder")
-    if not hasattr(importlib.import_module(module), name):
-        return f"prefill={prefill} variants are compiled with {module}.{name}, which the installed SDK lacks: " \
-               f"{NEURON_EXTRA_HINT}"
+    try:
+        found = hasattr(importlib.import_module(module), name)
+    except ImportError:
+        found = False
+    if not found:
+        return (f"prefill={prefill} variants are compiled with {module}.{name}, which the installed Neuron SDK "
+                f"lacks: {NEURON_EXTRA_HINT}")
     return None
 
 
@@ -192,6 +198,53 @@ def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
     """The compiler's scratch directory: always a subdirectory this backend owns (ModelBuilder wipes it)."""
     base = request.workdir if request.workdir is not None else out_dir.parent
     return (Path(base) / f"compile-{out_dir.parent.parent.name}-{out_dir.parent.name}").resolve()
+
+
+COMPILER_LOG = "log-neuron-cc.txt"  # neuronx-cc's log; NxD's LOG_FILE_DEFAULT_NAME (model_builder.py:79)
+
+
+def compiler_commands(workdir: Path) -> dict[str, list[str]]:
+    """Each compile's neuronx-cc arguments, as its log's command line shows them (neuronx-cc starts its log with it:
+    ``... INFO ... [root]: /.../neuronx-cc compile <hlo> --framework XLA --target ... --output ... <flags>``), by the
+    log's path in ``workdir``; paths inside ``workdir`` written as ``<workdir>/...``. What the SDK passes is closed
+    source for torch-neuronx 2.x and libneuronxla: this is the record of what it did."""
+    found = {}
+    for log_file in sorted(Path(workdir).rglob(COMPILER_LOG)):
+        for line in log_file.read_text(errors="replace").splitlines():
+            if "neuronx-cc" not in line or " compile" not in line:
+                continue
+            try:
+                words = shlex.split(line.split("]: ", 1)[-1])
+            except ValueError:
+                continue
+            start = next((i for i, w in enumerate(words) if w.endswith("neuronx-cc")), None)
+            if start is not None:
+                found[str(log_file.relative_to(workdir))] = [w.replace(str(workdir), "<workdir>")
+                                                             for w in words[start + 1:]]
+                break
+    return found
+
+
+def sdk_added_args(commands: dict[str, list[str]], ours: list[str]) -> list[str]:
+    """The options the SDK added to ours in any compile (``--framework XLA``, ``--target inf2``, ``--logfile=...``,
+    ModelBuilder's defaults ...), each with its value, in their first order of appearance."""
+    given = set(ours)
+    added: list[str] = []
+    for words in commands.values():
+        i = 2  # after "compile <hlo>"
+        while i < len(words):
+            option, i = words[i], i + 1
+            if not option.startswith("-"):
+                continue
+            if "=" not in option and i < len(words) and not words[i].startswith("-"):
+                option, i = f"{option} {words[i]}", i + 1
+            if option.split(" ")[0] not in given and option not in added:
+                added.append(option)
+    return added
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def state_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -263,8 +316,16 @@ class NeuronBackend:
                              "then run stage=toolchain")
         return "ncc" + version
 
-    def check_installed(self) -> None:
-        """The Neuron packages are checked at trace, with their SDK release (``check``)."""
+    def check_installed(self, request: TraceRequest | None = None) -> None:
+        """The Neuron packages, one SDK release of them, and the API ``request``'s variant compiles with; before any
+        stage writes anything (a refused run must not rewrite toolchain.json and so mark every build stale)."""
+        if request is None:
+            reason = missing_api("device", check_release=False)  # the packages, whatever the variant
+        else:
+            reason = missing_api(request.shape.prefill, request.check_sdk_release,
+                                 request.allow_unsupported_host_prefill)
+        if reason:
+            raise BuildError(reason)
 
     def check_load(self, shape: BuildShape) -> None:
         """Every shape a neuron build was compiled for runs (its NeuronCores are leased when it loads)."""
@@ -274,7 +335,10 @@ class NeuronBackend:
         problems = shape_problems(request.shape)
         if problems:
             raise ConfigError(problems)
-        check_request(request)
+        spec = check_request(request)
+        problem = neuron_memory.fit_problem(spec, request.shape)  # before any compile: hours, on E4B
+        if problem:
+            raise ConfigError(problem)
         reason = missing_api(request.shape.prefill, request.check_sdk_release, request.allow_unsupported_host_prefill)
         if reason:
             raise BuildError(reason)
@@ -306,6 +370,8 @@ class NeuronBackend:
                 result, peak = run_isolated([sys.executable, "-m", "pipeline.backends.neuron_rank", str(job_path),
                                              str(result_path)], result_path, what, request,
                                             env=compile_env(lease), cwd=workdir)
+            commands = compiler_commands(workdir)
+            workdir_bytes = tree_bytes(workdir)  # the sharded checkpoints and compiler files at their largest
             found = sorted(p.name for p in tmp.iterdir())
             if found != sorted(self.members(shape)):
                 raise BuildError(f"the neuron compile wrote {found}, expected exactly {self.members(shape)} "
@@ -327,6 +393,10 @@ class NeuronBackend:
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
             "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args)),
+            "compiler_commands": commands,
+            "sdk_added_args": sdk_added_args(commands, list(request.compiler_args)),
+            "workdir_bytes": workdir_bytes,
+            "device_memory_estimate": neuron_memory.estimate(load_spec(request.checkpoint.directory), shape).record(),
         }
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> NeuronRunner:

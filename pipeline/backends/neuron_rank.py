@@ -48,6 +48,7 @@ from pipeline.recipe.parallel import Parallel, ShardLinear
 DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
 HOST_PREFILL_API = "neuronx_distributed.trace.parallel_model_trace"
 NXD_MODEL_FILE = "model.pt"
+MODEL_BUILDER_DIR = "model_builder"  # ModelBuilder's compiler_workdir, inside the compile's work directory
 BUFFERS = ("layer_scalar",)  # checkpoint tensors the recipe holds as buffers (pipeline/recipe/model.py)
 
 
@@ -318,8 +319,11 @@ def trace_device_prefill(job: dict) -> None:
 
     shape = job_shape(job)
     spec = load_spec(job["checkpoint"]["directory"])
+    # A folder of its own inside the work directory, never the work directory itself: ModelBuilder.trace deletes its
+    # compiler_workdir first (NxD v2.28.0 trace/model_builder.py:543-545), and the work directory is this process's
+    # current directory, where the compiler processes it starts run (they inherit it).
     builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
-        full_checkpoint, job), compiler_workdir=job["workdir"])
+        full_checkpoint, job), compiler_workdir=str(Path(job["workdir"]) / MODEL_BUILDER_DIR))
     instance = RankInstance(job)
     for key, tokens in model_builder_plan(shape):
         builder.add(key, instance, [example_inputs(spec, tokens)],

@@ -27,6 +27,10 @@ from packaging.version import InvalidVersion, Version
 SUPPORTED, VERIFIED, UNSUPPORTED = "supported", "unsupported by Neuron, verified by the seed recipe", "unsupported"
 PACKAGES = ("torch-neuronx", "neuronx-cc", "neuronx-distributed", "libneuronxla")
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
+INSTALL = (f"deploy/install-inf2.sh (every file by sha256; in an environment that has the pipeline: python -m "
+           f"pipeline install-neuron --release {{release}}), never pip's --extra-index-url {NEURON_INDEX}, which lets "
+           "another index's higher version of a Neuron-only name win (docs/inf2-host.md, 'On an inf2 host')")
+"""How to install a release, for every message that says to (``INSTALL.format(release=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -121,11 +125,9 @@ def mix_problem(installed: dict[str, str | None]) -> str | None:
     hint = (f" (neuronx-cc {installed.get('neuronx-cc')} belongs to release {same_cc[-1]})" if same_cc else
             " (a release newer than this pipeline knows? add its row to pipeline/backends/neuron_sdk.py from the "
             "Neuron release manifest)")
-    pins = " ".join(f"'{p}'" for p in pinned_requirements())
     return (f"the installed Neuron packages are not one Neuron SDK release: {have}{hint}. Mixed releases compile "
-            f"and load unpredictably: install one release, e.g. the tested one, {PINNED}: pip install -e '.[neuron]' "
-            f"--extra-index-url {NEURON_INDEX} (or pip install {pins}); backend.check_sdk_release=false skips this "
-            "check at your own risk")
+            f"and load unpredictably: install one release, e.g. the tested one, {PINNED}: "
+            f"{INSTALL.format(release=PINNED)}; backend.check_sdk_release=false skips this check at your own risk")
 
 
 def host_prefill_problem(row: SdkRelease, allow_unsupported: bool) -> str | None:

@@ -25,11 +25,11 @@ from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import TraceRequest, check_request
 from pipeline.backends.cpu import CpuRunner, trace_in_processes, trace_record
 from pipeline.backends.neuron import shape_problems
+from pipeline.backends.packages import XLA_EXTRA, XLA_MAKE_TARGET, XLA_MISSING
 from pipeline.core.errors import ConfigError
 from pipeline.core.shape import BuildShape, rank_members
 
-EXTRA = "xla"
-MAKE_TARGET = "make test-xla"
+EXTRA, MAKE_TARGET = XLA_EXTRA, XLA_MAKE_TARGET
 
 
 def torch_xla_version() -> str | None:
@@ -41,9 +41,7 @@ def torch_xla_version() -> str | None:
 def require_torch_xla() -> str:
     version = torch_xla_version()
     if version is None:
-        raise ConfigError(f"backend=xla needs torch-xla, which is not installed in this environment: install the "
-                          f"pipeline's [{EXTRA}] extra (pip install -e '.[{EXTRA}]'; it pins torch 2.8, as "
-                          f"torch-neuronx does), or run `{MAKE_TARGET}`, which sets up .venv-production with it")
+        raise ConfigError(XLA_MISSING)
     return version
 
 
@@ -60,7 +58,7 @@ class XlaBackend:
                               f"in an environment with the [{EXTRA}] extra")
         return "xla-torch_xla" + version.split("+")[0]
 
-    def check_installed(self) -> None:
+    def check_installed(self, request: TraceRequest | None = None) -> None:
         require_torch_xla()
 
     def check(self, request: TraceRequest) -> None:

@@ -1,6 +1,7 @@
 """``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT``: run a pulled version.
 
-Verifies the rank directory against the manifest beside it (``RANK_DIR.manifest.json``, written by ``pull``), loads
+Verifies the rank directory against its manifest (``RANK_DIR.manifest.json``, written by ``pull``, or a build folder's
+``../dist/manifest.json``), loads
 the ranks through the backend that built them, and greedy-decodes a chat prompt with the host-side embeddings (and,
 for host-prefill variants, the host prefill) taken from the original checkpoint. Prints the reply on standard output
 and the timing on standard error.
@@ -16,31 +17,36 @@ import sys
 from pathlib import Path
 
 from pipeline.artifact.archive import verify_build
-from pipeline.artifact.manifest import Manifest
+from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.backends import get_backend
-from pipeline.cli.pull import manifest_beside
+from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.serving.engine import require_tokenizer, text_prefix_of
-from pipeline.validation.generation import Generator, check_fits
+from pipeline.validation.generation import Generator, new_tokens_problem
 from pipeline.validation.prompts import chat_ids
 
+DEFAULT_NEW_TOKENS = 64  # when --max-new-tokens is not given: this many, or what the cache holds if fewer
 
-def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int, text_prefix: str | None) -> dict:
+
+def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int | None,
+             text_prefix: str | None) -> dict:
     from transformers import AutoTokenizer
 
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = Manifest.read(manifest_beside(rank_dir))
+    manifest = Manifest.read(manifest_of(rank_dir))
     build = verify_build(rank_dir, manifest.member_files())
     shape = manifest.shape
     require_tokenizer(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = chat_ids(tokenizer, prompt)
-    # At most what the cache has room for; a prompt that leaves no room is refused now, before anything loads.
-    new_tokens = max(1, min(max_new_tokens, shape.kv_max - len(ids)))
-    check_fits(len(ids), new_tokens, shape)
+    # What the cache has room for, or refused now, before anything loads (serve's rule: never clamped in silence).
+    problem = new_tokens_problem(len(ids), max_new_tokens, shape.kv_max, "--max-new-tokens")
+    if problem:
+        raise InputError(problem)
+    new_tokens = max_new_tokens if max_new_tokens is not None else min(DEFAULT_NEW_TOKENS, shape.kv_max - len(ids))
     spec = load_spec(checkpoint)
     with Checkpoint(checkpoint, text_prefix or text_prefix_of(checkpoint)) as ckpt:
         ckpt.verify(spec)
@@ -58,11 +64,14 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int,
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rank_dir", type=Path, help="the directory pull printed")
+    parser.add_argument("rank_dir", type=Path, help="the directory pull printed, or a packaged build folder "
+                                                    "(artifacts/<model>/<variant>/build)")
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="the original checkpoint (tokenizer, config, embedding tables)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"new tokens to decode (default: {DEFAULT_NEW_TOKENS}, or what the cache holds if fewer); "
+                             "more than the cache holds is refused, as serve refuses it")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     args = parser.parse_args(argv)
     setup()

@@ -17,6 +17,7 @@ on standard output.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -26,10 +27,13 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.archive import extract_verified, verify_build
-from pipeline.artifact.manifest import Manifest
+from pipeline.artifact.manifest import Manifest, manifest_beside
+from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
 from pipeline.core.log import exit_on_error, log, setup
+from pipeline.core.names import child, repo_path
+from pipeline.publishing import layout
 from pipeline.publishing.localrepo import LocalRepo
 
 
@@ -92,14 +96,13 @@ class HubSource:
         # The client checks only the size of what it downloads; pull verifies every checksum afterwards. It downloads
         # beside the work folder, not in it: it leaves its bookkeeping (.cache/huggingface/...) in local_dir, and the
         # signature check refuses a folder holding anything but the version's files.
+        repo_path(path, "a file of the repository")
         with (self.asking(f"downloading {path} of {self.repo_id} at {commit[:12]}"),
               tempfile.TemporaryDirectory(dir=dest.parent.parent, prefix=f".hub{TMP_MARK}") as local):
             got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=local))
+            if not got.resolve().is_relative_to(Path(local).resolve()):
+                raise IntegrityError(f"the download of {path} landed outside its folder ({got}): refusing it")
             shutil.move(got, dest)
-
-
-def manifest_beside(rank_dir: Path) -> Path:
-    return rank_dir.with_name(rank_dir.name + ".manifest.json")
 
 
 def source_for(spec: str):
@@ -116,8 +119,8 @@ def resolve(source, name: str, work: Path) -> tuple[str, str]:
         return name, tags[name]
     if any(tag.startswith(name + "-") for tag in tags):
         head = source.head()
-        if f"{name}/manifest.json" in source.files(head):
-            source.fetch(head, f"{name}/manifest.json", work / "head-manifest.json")
+        if name in layout.variant_folders(source.files(head)):  # a plain name, with a manifest at the head
+            source.fetch(head, layout.path_in(name, layout.MANIFEST), work / "head-manifest.json")
             version = Manifest.read(work / "head-manifest.json").version
             (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
             if version in tags:
@@ -127,42 +130,71 @@ def resolve(source, name: str, work: Path) -> tuple[str, str]:
 
 
 def variant_folder(files: list[str], version: str) -> str:
-    """The folder holding ``version``: versions are ``<variant>-<compiler>-<inputs>`` and live under ``<variant>/``."""
-    folders = {f.split("/")[0] for f in files if f.endswith("/manifest.json")}
-    matches = [v for v in folders if version.startswith(v + "-")]
-    if len(matches) != 1:
-        raise PipelineError(f"version {version!r} matches no single variant folder among {sorted(folders)}")
-    return matches[0]
+    """The folder holding ``version`` (pipeline/publishing/layout.py), or an error naming the folders there are."""
+    folder = layout.folder_of(version, files)
+    if folder is None:
+        raise PipelineError(f"version {version!r} matches no variant folder among "
+                            f"{sorted(layout.variant_folders(files))}")
+    return folder
+
+
+def destination(dest: Path) -> Path:
+    """``--dest``, made if missing; a file or a folder this user cannot write is refused by name."""
+    if dest.exists() and not dest.is_dir():
+        raise PipelineError(f"--dest {dest} is a file: give a directory (it is created if missing)")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PipelineError(f"--dest {dest} cannot be created ({exc.strerror}): give a directory you can write") \
+            from None
+    if not os.access(dest, os.W_OK | os.X_OK):
+        raise PipelineError(f"--dest {dest} is not writable by this user: give a directory you can write")
+    return dest
 
 
 def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool) -> Path:
-    """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``.
+
+    Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
+    as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
+    work folder this call made, or as ``dest``'s one rank directory and its manifest.
+    """
+    destination(dest)
     with (reporting_full_disk(dest, f"pull {name}"),
           tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
         work = Path(tmp)
         version, commit = resolve(source, name, work)  # once: every file below comes from this commit
         files = source.files(commit)
         folder = variant_folder(files, version)
-        source.fetch(commit, f"{folder}/manifest.json", work / "manifest.json")
-        manifest = Manifest.read(work / "manifest.json")
+        source.fetch(commit, layout.path_in(folder, layout.MANIFEST), work / "manifest.json")
+        manifest = Manifest.read(work / "manifest.json")  # its names are checked (Manifest.problems)
         if manifest.version != version:
             raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
                                  f"not {version!r}")
-        if f"{folder}/{signing.SIGNATURE}" in files:
-            source.fetch(commit, f"{folder}/{signing.SIGNATURE}", work / signing.SIGNATURE)
+        if layout.path_in(folder, signing.SIGNATURE) in files:
+            source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE)
         archive_name = manifest.archive.name
         accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
-        target = dest / manifest.archive.root
+        target = child(dest, manifest.archive.root, "the manifest's archive.root")
+        beside = manifest_beside(target)
         if target.exists():
             verify_build(target, manifest.member_files())  # already there: only if it is exactly this version
+            manifest.write(beside)
             log.info("pull: %s is already in %s and verifies", version, target)
-        else:
-            source.fetch(commit, f"{folder}/{archive_name}", work / archive_name)
+            return target
+        source.fetch(commit, layout.path_in(folder, archive_name), child(work, archive_name,
+                                                                        "the manifest's archive.name"))
+        # The manifest goes beside the rank directory (never in it: neuronx-distributed's loader loads every file
+        # there) before the directory appears, so the directory's rename is the one step that makes the version
+        # visible: interrupted before it, there is no rank directory; after it, it has its manifest.
+        manifest.write(beside)
+        try:
             extract_verified(work / archive_name, manifest, target)
-            log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
-        # Beside the rank directory, never in it: neuronx-distributed's loader loads every file there.
-        manifest.write(manifest_beside(target))
+        except BaseException:
+            if not target.exists():
+                beside.unlink(missing_ok=True)
+            raise
+        log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
         return target
 
 
@@ -172,7 +204,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
     parser.add_argument("version", help="a published version (<variant>-<compiler>-<inputs>), or a variant's name for "
                                         "its newest published version")
-    parser.add_argument("--dest", type=Path, default=Path("."), help="where the rank directory is created")
+    parser.add_argument("--dest", type=Path, default=None,
+                        help=f"where the rank directory is created (default: {versions_dir()}, the cache folder; "
+                             f"{CACHE_ENV} moves it)")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
     args = parser.parse_args(argv)
@@ -181,7 +215,8 @@ def main(argv: list[str]) -> int:
         problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
         if problem:
             raise PipelineError(problem)
-        path = pull(source_for(args.source), args.version, args.dest.resolve(), args.public_key, args.allow_unsigned)
+        dest = (args.dest or versions_dir()).resolve()
+        path = pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned)
     print(path)
     return 0
 

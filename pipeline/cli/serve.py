@@ -10,7 +10,8 @@ answers 503 ``loading`` until the build is loaded and a warm-up token decoded, t
 Routes (pipeline/serving/api.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
 version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
 ``GET /metrics``. One request decodes at a time; up to ``--queue-size`` wait, each up to ``--queue-timeout`` seconds.
-SIGTERM or Ctrl-C: the running request finishes, the waiting ones and any new one get 503, and the command exits 0.
+A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read. SIGTERM or Ctrl-C: the
+running request finishes, the waiting ones and any new one get 503, and the command exits 0.
 
     python -m pipeline serve your-org/gemma-4-E4B-it-inferentia2 2048_bf16 --checkpoint /data/gemma-4-E4B-it \\
         --dest /workspace --public-key signing-key.pub.pem --port 8000
@@ -22,16 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import socket
 import sys
 import threading
 from pathlib import Path
 
 from pipeline.artifact import signing
-from pipeline.artifact.manifest import Manifest
-from pipeline.cli.pull import manifest_beside, pull, source_for
+from pipeline.artifact.manifest import Manifest, manifest_of
+from pipeline.cli.pull import pull, source_for
+from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a prompt that fills a 2048-token cache is about 10 KB of text
 
 
 def take_port(host: str, port: int) -> socket.socket:
@@ -51,16 +56,18 @@ def take_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def is_pulled(source: str) -> bool:
+def is_rank_dir(source: str) -> bool:
+    """A directory that is no publish folder (a git repository): a directory ``pull`` printed, or a build folder
+    (``manifest_of`` says what is wrong with any other)."""
     path = Path(source)
-    return path.is_dir() and manifest_beside(path.resolve()).is_file()
+    return path.is_dir() and not (path / ".git").exists()
 
 
 def obtain(args: argparse.Namespace) -> Path:
     """The verified rank directory to serve."""
-    if is_pulled(args.source):
+    if is_rank_dir(args.source):
         rank_dir = Path(args.source).resolve()
-        version = Manifest.read(manifest_beside(rank_dir)).version
+        version = Manifest.read(manifest_of(rank_dir)).version
         if args.version and args.version != version:
             raise InputError(f"{rank_dir} holds {version!r}, not {args.version!r}: leave VERSION out, or pull "
                              f"{args.version!r}")
@@ -71,7 +78,8 @@ def obtain(args: argparse.Namespace) -> Path:
     problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
     if problem:
         raise PipelineError(problem)
-    return pull(source_for(args.source), args.version, args.dest.resolve(), args.public_key, args.allow_unsigned)
+    dest = (args.dest or versions_dir()).resolve()
+    return pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned)
 
 
 def run_server(service, sock: socket.socket) -> int:
@@ -99,6 +107,10 @@ def run_server(service, sock: socket.socket) -> int:
     def load() -> None:
         try:
             service.engine.load()
+            service.tokenizing.submit(service.engine.text_ids, "Hi").result()  # its thread's first call, not a client's
+            # What is loaded now lives as long as the server: keep it out of the collector's full passes, which
+            # otherwise walk the tokenizer's and the libraries' objects while a request (or /health) waits.
+            gc.freeze()
             for name, size in service.engine.host_bytes.items():
                 log.info("serve: host memory: %s %.2f GiB", name.replace("_", " "), size / 2**30)
             server.loop.call_soon_threadsafe(service.ready)
@@ -131,7 +143,8 @@ def main(argv: list[str]) -> int:
                                                    "needed for a pulled directory)")
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="the original checkpoint (tokenizer, config, embedding tables)")
-    parser.add_argument("--dest", type=Path, default=Path("."), help="where a pulled version is unpacked")
+    parser.add_argument("--dest", type=Path, default=None,
+                        help=f"where a pulled version is unpacked (default: {versions_dir()}, the cache folder)")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -139,6 +152,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
                                                                  "past it: 429")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait; past it: 503")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"the largest request body taken; past it: 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
+                             "1 MiB)")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     args = parser.parse_args(argv)
     setup()
@@ -146,6 +162,9 @@ def main(argv: list[str]) -> int:
         if args.queue_size < 0 or args.queue_timeout <= 0:
             raise InputError(f"--queue-size {args.queue_size} --queue-timeout {args.queue_timeout}: the queue size "
                              "is 0 or more and the timeout more than 0 seconds")
+        if args.max_request_bytes < 1024:
+            raise InputError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024 (a chat request's "
+                             "JSON alone is a few hundred bytes)")
         from pipeline.serving.api import Service
         from pipeline.serving.engine import Engine
 
@@ -156,7 +175,7 @@ def main(argv: list[str]) -> int:
             engine.verify()
             log.info("serve: %s verified; listening on http://%s:%d while it loads", engine.version, args.host,
                      sock.getsockname()[1])
-            return run_server(Service(engine, args.queue_size, args.queue_timeout), sock)
+            return run_server(Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes), sock)
         finally:
             sock.close()
     return 1  # pragma: no cover - exit_on_error exits

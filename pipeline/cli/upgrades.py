@@ -25,12 +25,13 @@ deploy/rebuild.sh acts on:
        or ``--apply`` would install a package the Neuron repository serves from a file not listed there
     2  bad arguments
 
-``--apply`` installs the target release's files from the Neuron repository (all four packages in one pip command,
-with their dependencies as a dry run resolved them: any the Neuron repository serves, such as
-aws-neuronx-runtime-discovery, only from a file on its page, or nothing is installed; see ``install``), then runs
-the rebuild command (default ``dvc repro``): the toolchain stage records the new versions, and DVC re-runs trace,
-package, validate and publish for every variant, while the model and reference stay cached. It exits with the
-rebuild's status (0 when nothing needed upgrading).
+``--apply`` installs the target release from its lock file (``--lock-dir``, default deploy/lock/, one file per
+release: pipeline/cli/neuron_lock.py), every file by URL and sha256, making the lock first when it is missing (each
+Neuron package, and any dependency the Neuron repository serves, such as aws-neuronx-runtime-discovery, only from a
+file on its page, or nothing is installed; see ``lock_entries``), then runs the rebuild command (default
+``dvc repro``): the toolchain stage records the new versions, and DVC re-runs trace, package, validate and publish for
+every variant, while the model and reference stay cached. It exits with the rebuild's status (0 when nothing needed
+upgrading). A lock it wrote is to be committed (the scheduled workflow commits it with dvc.lock).
 
     python -m pipeline check-upgrades
     python -m pipeline check-upgrades --apply
@@ -54,17 +55,13 @@ from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
 from urllib.request import url2pathname
 
-from packaging.utils import (
-    InvalidSdistFilename,
-    InvalidWheelFilename,
-    canonicalize_name,
-    parse_sdist_filename,
-    parse_wheel_filename,
-)
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from pipeline.backends import neuron_sdk
 from pipeline.backends.neuron_sdk import NEURON_INDEX, PINNED_TORCH, SdkRelease, release_part
+from pipeline.cli import neuron_lock
+from pipeline.cli.neuron_lock import file_version
 from pipeline.core.errors import PipelineError
 from pipeline.core.log import EXIT_ERROR, exit_on_error, log, setup
 
@@ -172,18 +169,6 @@ def read_page(index: str, name: str, absent_ok: bool = False) -> str | None:
         raise unreachable(index, page, f"HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError) as exc:  # refused, unresolvable, TLS, timeout
         raise unreachable(index, page, getattr(exc, "reason", exc)) from exc
-
-
-def file_version(name: str, filename: str) -> str | None:
-    """The version a wheel or sdist file name carries (None for another project's file or an unparsable name)."""
-    try:
-        if filename.endswith(".whl"):
-            project, version, _, _ = parse_wheel_filename(filename)
-        else:
-            project, version = parse_sdist_filename(filename)
-    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
-        return None
-    return str(version) if project == canonicalize_name(name) else None
 
 
 def offers(index: str, name: str, absent_ok: bool = False) -> list[Offer] | None:
@@ -364,19 +349,19 @@ def chosen_files(python: str | None, index: str, versions: dict[str, str], avail
     return {n: files[canonicalize_name(n)] for n in versions}
 
 
-def resolve(python: str | None, args: list[str], what: str) -> list[dict]:
+def resolve(python: str | None, args: list[str], what: str, env: dict[str, str] | None = None) -> list[dict]:
     """What ``pip <args>`` (an install) would install, as its ``--report`` lists it, installing nothing."""
     with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
         report = Path(tmp) / "report.json"
-        run_pip(python, [*args, "--dry-run", "--report", str(report)], what)
+        run_pip(python, [*args, "--dry-run", "--report", str(report)], what, env=env)
         return json.loads(report.read_text()).get("install", [])
 
 
-def checked_pins(index: str, chosen: list[dict], available: dict[str, list[Offer]]) -> list[str]:
-    """One requirement per file of pip's resolution ``chosen``, pinned to it: a package the Neuron repository serves
-    (it has a page for the name) as ``name @ url``, and only if that URL is listed on its page; any other package as
-    pip chose it through your pip settings (``name==version``, or its direct URL if it came as one)."""
-    pins = []
+def checked_files(index: str, chosen: list[dict], available: dict[str, list[Offer]]) -> list[tuple[dict, str]]:
+    """Each file of pip's resolution ``chosen`` and the URL it is pinned to: a package the Neuron repository serves
+    (it has a page for the name) only as a file listed on that page, else nothing is installed; any other package
+    as pip chose it through your pip settings."""
+    files = []
     for item in chosen:
         name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
         url = item["download_info"]["url"]
@@ -384,7 +369,7 @@ def checked_pins(index: str, chosen: list[dict], available: dict[str, list[Offer
         if served is None:
             served = offers(index, name, absent_ok=True)
         if served is None:  # no page: not a Neuron package
-            pins.append(f"{name} @ {url}" if item.get("is_direct") else f"{name}=={version}")
+            files.append((item, url))
             continue
         own = {unquote(urldefrag(o.url).url): o.url for o in served}
         if unquote(urldefrag(url).url) not in own:
@@ -393,43 +378,111 @@ def checked_pins(index: str, chosen: list[dict], available: dict[str, list[Offer
                 f"although that repository serves {name} ({project_page(index, name)}): most likely a higher version "
                 "on another of your indexes (pip takes the highest from any index). Nothing was installed; "
                 f"remove that index from your pip settings or find out who published {name} {version} there")
-        pins.append(f"{name} @ {own[unquote(urldefrag(url).url)]}")
-    return pins
+        files.append((item, own[unquote(urldefrag(url).url)]))
+    return files
 
 
-def install(python: str | None, index: str, plan_: Plan, available: dict[str, list[Offer]]) -> None:
-    """Install the target release whole, each Neuron package from its file on the Neuron repository.
+def lock_entries(python: str | None, index: str, release: str, versions: dict[str, str],
+                 available: dict[str, list[Offer]], base_lock: Path | None) -> list[neuron_lock.Locked]:
+    """What release ``release`` adds to an environment installed from ``base_lock``, each file pinned; every package
+    whose name the Neuron repository serves from that repository alone.
 
-    The four are direct references (``name @ url``, PEP 440), so pip takes them from that URL (or keeps the same
-    file installed) and asks no index for them: a project with an explicit URL requirement gets no candidates from
-    the finder (pip's resolver, resolution/resolvelib/factory.py ``_iter_found_candidates``), and any other
-    requirement on it must be satisfied by that file. Their dependencies resolve through your pip settings plus the
-    Neuron repository, and some of those are Neuron packages too (torch-neuronx requires aws-neuronx-runtime-discovery,
-    which only the Neuron repository serves): pip gives no index priority, ``--extra-index-url`` ones included, and
-    takes the highest version from any of them (pip's docs, "pip install" --extra-index-url, and "Secure installs",
-    "Dependency confusion"), so a higher upload of such a name to PyPI would win.
+    pip gives its indexes no priority, ``--extra-index-url`` ones included, and takes the highest version from any of
+    them (pip's docs, "pip install" --extra-index-url, and "Secure installs", "Dependency confusion"), and some of the
+    release's dependencies are Neuron packages too (torch-neuronx requires aws-neuronx-runtime-discovery, which only
+    the Neuron repository serves): a higher upload of such a name to PyPI would win. So the release is resolved twice,
+    as dry runs with ``--ignore-installed`` (the lock does not depend on what this environment happens to hold):
 
-    Hence two steps. First the install is resolved as a dry run (``--dry-run --report``, the same arguments), and
-    every package it would install whose name the Neuron repository serves must come from a file listed on that
-    repository's page for the name, or nothing is installed. Then exactly that resolution is installed, each file
-    pinned (``--no-deps``: pip adds no package the dry run did not list, so a second resolution that came out
-    differently, say after an upload in between, cannot bring in a package nobody checked). The Neuron packages are
-    pinned by URL, so pip cannot take them from anywhere else; the others (torch, numpy, ...) by version, still from
-    your pip settings as before.
+    1. with your pip settings plus the Neuron repository, constrained to the base lock's versions: this finds the
+       public packages the release needs (numpy, ...) and the files of them pip would fetch;
+    2. with the Neuron repository as the only index, those public files given as constraints (``name @ url``: a
+       constraint installs nothing by itself): every other package, each Neuron-served dependency among them, can only
+       come from the Neuron repository, within the release's own requirements.
+
+    The four Neuron packages are direct references to their files on the Neuron repository (``name @ url``, PEP
+    440) in both: pip asks no index for a project with an explicit URL requirement (resolution/resolvelib/factory.py
+    ``_iter_found_candidates``). A Neuron-served name that the first resolution took from elsewhere is logged as a
+    warning (who uploaded it?) and never locked; ``checked_files`` holds every locked Neuron name to a file listed on
+    its page.
     """
-    files = chosen_files(python, index, plan_.target, available)
-    chosen = resolve(python, ["install", "--upgrade-strategy", "only-if-needed", "--extra-index-url", index,
-                              *[f"{name} @ {url}" for name, url in files.items()]],
-                     f"resolving release {plan_.target_release}")
-    pins = checked_pins(index, chosen, {canonicalize_name(n): files for n, files in available.items()})
-    print(f"installing release {plan_.target_release}: "
-          + " ".join(f"{n}=={v}" for n, v in plan_.target.items()), flush=True)
-    if pins:  # empty when every file is installed already
-        run_pip(python, ["install", "--no-deps", "--extra-index-url", index, *pins], "installing the release")
-    now = installed_versions(python)
-    wrong = {n: v for n, v in now.items() if not same_release(v, plan_.target[n])}
+    if base_lock is None or not base_lock.is_file():
+        log.warning("check-upgrades: no base lock at %s: the new lock is resolved against nothing and locks every "
+                    "package the release needs", base_lock)
+    files = chosen_files(python, index, versions, available)
+    direct = [f"{name} @ {url}" for name, url in files.items()]
+    served = {canonicalize_name(n): f for n, f in available.items()}
+    with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
+        first = resolve(python, ["install", "--ignore-installed", "--extra-index-url", index,
+                                 *neuron_lock.constraints(base_lock, Path(tmp)), *direct],
+                        f"resolving release {release}")
+        public = []
+        for item in first:
+            name, url = canonicalize_name(item["metadata"]["name"]), item["download_info"]["url"]
+            if name not in served:
+                served[name] = offers(index, name, absent_ok=True)
+            if served[name] is None:
+                public.append(f"{name} @ {url}")
+            elif not any(unquote(urldefrag(o.url).url) == unquote(urldefrag(url).url) for o in served[name]):
+                log.warning("check-upgrades: another index offers %s %s (%s), passed over: only the Neuron "
+                            "repository's files of %s are locked. Find out who published it there", name,
+                            item["metadata"]["version"], url, name)
+        (Path(tmp) / "public.txt").write_text("\n".join(public) + "\n")
+        final = resolve(python, ["install", "--ignore-installed", "--index-url", index, "--constraint",
+                                 str(Path(tmp) / "public.txt"), *direct],
+                        f"resolving release {release} against the Neuron repository alone",
+                        env=only_the_neuron_index(index, tmp))
+    base = neuron_lock.pinned_names(base_lock)
+    entries = []
+    for item, url in checked_files(index, final, {k: v for k, v in served.items() if v is not None}):
+        name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
+        if base.get(name) == version:  # installed by the base lock already
+            continue
+        entries.append(neuron_lock.Locked(name, version, urldefrag(url).url, neuron_lock.sha256_of(item)))
+    return entries
+
+
+def install(python: str | None, index: str, release: str, versions: dict[str, str],
+            available: dict[str, list[Offer]], lock_dir: Path, base_lock: Path | None) -> Path:
+    """Install release ``release`` (``versions``: each package as the Neuron repository spells it) from its lock
+    (pipeline/cli/neuron_lock.py), making the lock first if there is none. Returns the lock's path."""
+    lock = neuron_lock.lock_file(lock_dir, release, torch_of(versions["torch-neuronx"]))
+    if not lock.is_file():
+        entries = lock_entries(python, index, release, versions, available, base_lock)
+        neuron_lock.write(lock, entries, release, torch_of(versions["torch-neuronx"]), index)
+        log.warning("check-upgrades: wrote %s (%d files, each pinned by URL and sha256): commit it, so that every "
+                    "host installs these very files", lock, len(entries))
+    install_locked(python, lock, release, versions)
+    return lock
+
+
+def install_locked(python: str | None, lock: Path, release: str, versions: dict[str, str]) -> None:
+    """``pip install`` exactly the lock's files: by their URLs (no index is asked), each refused unless its bytes
+    hash to the lock's sha256, no dependency added; then the environment must hold the release, and nothing the
+    lock installed may lack a dependency (``pip check``, on the lock's packages)."""
+    try:
+        entries = neuron_lock.read(lock)
+    except neuron_lock.LockError as exc:
+        raise UpgradeCheckError(f"{exc}: make it again (delete it and rerun) or restore it from git") from None
+    locked = {e.name: e.version for e in entries}
+    wrong = {n: locked.get(canonicalize_name(n)) for n, v in versions.items()
+             if not same_release(locked.get(canonicalize_name(n)), v)}
     if wrong:
-        raise UpgradeCheckError(f"after installing release {plan_.target_release}, the environment has {wrong}")
+        raise UpgradeCheckError(f"{lock} does not lock release {release}: it has {wrong}, the release needs "
+                                f"{versions}; nothing was installed")
+    print(f"installing release {release}: " + " ".join(f"{n}=={v}" for n, v in versions.items()), flush=True)
+    run_pip(python, ["install", "--no-deps", "--no-index", "--require-hashes", "-r", str(lock)],
+            f"installing the files of {lock} (each checked against its sha256)")
+    now = installed_versions(python)
+    wrong = {n: v for n, v in now.items() if not same_release(v, versions[n])}
+    if wrong:
+        raise UpgradeCheckError(f"after installing release {release}, the environment has {wrong}")
+    broken = [line for line in subprocess.run([*pip(python), "check"], capture_output=True, text=True,
+                                              timeout=PIP_TIMEOUT_S).stdout.splitlines()
+              if canonicalize_name(line.split(" ", 1)[0]) in locked]
+    if broken:
+        raise UpgradeCheckError(f"after installing {lock}, its packages lack dependencies: {'; '.join(broken)}. The "
+                                "lock (or the base lock beneath it) misses them: delete the lock and rerun to make it "
+                                "again")
 
 
 # --- output and the command
@@ -476,11 +529,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--apply", action="store_true", help="install the target release, then run the rebuild command")
     parser.add_argument("--rebuild-command", default="dvc repro", help="run after --apply (default: dvc repro)")
     parser.add_argument("--cwd", default=".", help="where the rebuild command runs (default: here)")
+    add_lock_arguments(parser)
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
         code = check(args)
     return code
+
+
+def add_lock_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lock-dir", default=str(neuron_lock.LOCK_DIR),
+                        help=f"where each release's lock file is read, or written when missing (default: "
+                             f"{neuron_lock.LOCK_DIR})")
+    parser.add_argument("--base-lock", default=str(neuron_lock.BASE_LOCK),
+                        help=f"the environment's base lock, whose versions a new lock is resolved against (default: "
+                             f"{neuron_lock.BASE_LOCK})")
 
 
 def check(args: argparse.Namespace) -> int:
@@ -500,7 +563,8 @@ def check(args: argparse.Namespace) -> int:
     if not args.apply or result.status in ("current", "newer-than-table"):
         return result.exit_code
     try:
-        install(args.python, args.neuron_index, result, available)
+        install(args.python, args.neuron_index, result.target_release, result.target, available,
+                Path(args.lock_dir), Path(args.base_lock))
         print(f"rebuilding: {args.rebuild_command}", flush=True)
         code = subprocess.run(shlex.split(args.rebuild_command), cwd=args.cwd).returncode
     except (subprocess.TimeoutExpired, OSError) as exc:

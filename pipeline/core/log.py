@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -36,18 +37,49 @@ CHATTY = ("transformers", "huggingface_hub", "torch.distributed", "filelock", "u
           "httpcore2")
 
 
+# What a secret looks like in text a server or a library wrote (an error body, a request line, a traceback): an
+# Authorization header's value, a bearer token, a Hugging Face (hf_...), GitHub (ghp_..., github_pat_...) or AWS
+# access key (AKIA...), and the value of a field or query parameter named like a secret.
+_SECRETS = (
+    (re.compile(r"(?i)(authorization\s*[:=]\s*)(?:\w+\s+)?[^\s,;'\"}]+"), r"\1[REDACTED]"),
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1\2[REDACTED]"),
+    # Hugging Face user tokens are hf_ and 34 letters and digits; GitHub's gh?_ and 36 (hf_hub_download is no token).
+    (re.compile(r"\b(?:hf|ghp|gho|ghs|ghu|ghr)_[A-Za-z0-9]{30,}\b|\bgithub_pat_[A-Za-z0-9_]{22,}"), "[REDACTED]"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "[REDACTED]"),
+    # key=value (a query string, an environment line) and "key": "value" (a JSON body), the key ending in a secret's
+    # name: "max_tokens=16" and "no token: set HF_TOKEN" are no secrets.
+    (re.compile(r"(?i)(\b[\w.-]*(?:token|secret|password|passwd|api[_-]?key|signature|credential)=)[^\s&\"',;}]+"),
+     r"\1[REDACTED]"),
+    (re.compile(r"(?i)(\"[\w.-]*(?:token|secret|password|passwd|api[_-]?key|signature|credential)\"\s*:\s*\")"
+                r"[^\"]*"), r"\1[REDACTED]"),
+)
+REDACTED = "[REDACTED]"
+
+
+def redact(text: str) -> str:
+    """``text`` with anything shaped like a secret replaced by ``[REDACTED]``: every log line and every message
+    built from another program's words (a server's error body) passes through here."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 class Formatter(logging.Formatter):
-    """``2026-01-31 12:00:00,123 INFO pipeline: validate: 512_fp32 passed every gate``: every command's lines."""
+    """``2026-01-31 12:00:00,123 INFO pipeline: validate: 512_fp32 passed every gate``: every command's lines, with
+    secrets redacted (``redact``)."""
 
     def __init__(self) -> None:
         super().__init__(FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 class RecordLine(logging.Formatter):
     """One JSON object per record, for a parent process to re-log (``relay``); tracebacks stay inside the message."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = super().format(record)  # the message, with the exception's traceback when there is one
+        message = redact(super().format(record))  # the message, with the exception's traceback when there is one
         return json.dumps({"name": record.name, "level": record.levelno, "message": message})
 
 

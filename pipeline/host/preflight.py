@@ -442,9 +442,10 @@ def estimate(spec: ModelSpec, shape: BuildShape, backend: str, overrides: Resour
 
 
 def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_parallel: int,
-               disk_paths: list[Path], basis: str = "") -> Need:
+               disk_paths: list[Path], basis: str = "", extra_disk: dict[Path, int] | None = None) -> Need:
     """What tracing one variant needs: the tracing process plus every graph compiled at the same time (``basis``:
-    where the figures come from, quoted in refusals).
+    where the figures come from, quoted in refusals); ``extra_disk``: bytes written on a path's file system beyond
+    ``resources.disk_gb`` (ModelBuilder's sharded checkpoints in its work folder).
 
     cpu: every rank traces at once. xla: one rank at a time. neuron, host prefill: ``parallel_model_trace`` compiles
     ``max_parallel`` ranks at once (all when 0). neuron, device prefill: ModelBuilder compiles one SPMD graph per
@@ -464,7 +465,10 @@ def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_par
     else:
         graphs, hint = shape.tp_degree, ""
     memory = resources.trace_base_gb + graphs * resources.trace_per_graph_gb
-    return Need(int(memory * GIB), {str(p): int(resources.disk_gb * GIB) for p in disk_paths}, cores, what, hint)
+    disk = {str(p): int(resources.disk_gb * GIB) for p in disk_paths}
+    for path, size in (extra_disk or {}).items():
+        disk[str(path)] = disk.get(str(path), 0) + size
+    return Need(int(memory * GIB), disk, cores, what, hint)
 
 
 def validate_need(resources: ResourceNeed, backend: str, shape: BuildShape, basis: str = "") -> Need:

@@ -25,6 +25,23 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (``cpu.max``: a container
+    given 4 CPUs of a 32-CPU host sees 32 in its mask but runs at 4's speed)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
+        if group is not None:
+            with open(os.path.join(cgroup_root, group.lstrip("/"), "cpu.max")) as f:
+                quota, period = f.read().split()
+            if quota != "max":
+                count = min(count, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

@@ -14,6 +14,7 @@ honoured at call time.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.core.errors import PublishError
-from pipeline.core.log import log
+from pipeline.core.log import log, redact
 
 RETRY_STATUS = {408, 409, 412, 429, 500, 502, 503, 504}
 AUTH_STATUS = {401, 403}
@@ -114,7 +115,8 @@ def transient(exc: BaseException) -> bool:
 def explain(exc: BaseException, repo_id: str, reading: bool = False) -> tuple[str, str]:
     """``(what the client said, what to do)`` for a failed Hub request, each one line; ``reading`` for pull."""
     status = next((s for s in map(status_of, causes(exc)) if s is not None), None)
-    said = f"{f'HTTP {status}' if status else type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    # The server's words, shortened and with anything shaped like a token redacted: they end up in logs and CI output.
+    said = f"{f'HTTP {status}' if status else type(exc).__name__}: {redact(' '.join(str(exc).split()))[:400]}"
     hint = {
         "offline": "unset HF_HUB_OFFLINE to reach the Hub",
         "quota": f"{repo_id} is over the Hub's storage quota for private repositories (deleted archives still count: "
@@ -149,7 +151,7 @@ def with_retries(step: Callable[[], object], what: str, attempts: int, base_s: f
                                    "The local artifacts are untouched.") from None
             delay = min(max_s, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
             log.warning("%s: attempt %d of %d failed (%s: %s); retrying in %.1f s", what, attempt, attempts,
-                        type(exc).__name__, " ".join(str(exc).split())[:200], delay)
+                        type(exc).__name__, redact(" ".join(str(exc).split()))[:200], delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -196,6 +198,26 @@ class HubTarget:
             except RemoteEntryNotFoundError:
                 return None
             return Path(got).read_bytes()
+
+    def file_digest(self, commit: str, path: str) -> tuple[int, str] | None:
+        """``(size, sha256)`` of one file at ``commit`` (None: no such file). For a file in LFS or Xet storage (every
+        archive: binary files go there), the Hub's record of its object, the sha256 the object is addressed by and
+        that the Hub checked when it was uploaded (the tree listing's ``lfs`` entry); any other file is downloaded
+        and hashed."""
+        from huggingface_hub.errors import EntryNotFoundError
+
+        folder = path.rsplit("/", 1)[0] if "/" in path else None
+        try:
+            entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=folder, revision=commit))
+        except EntryNotFoundError:
+            return None
+        entry = next((e for e in entries if getattr(e, "path", None) == path and hasattr(e, "lfs")), None)
+        if entry is None:
+            return None
+        if entry.lfs is not None:
+            return entry.lfs.size, entry.lfs.sha256
+        data = self.read(commit, path)
+        return None if data is None else (len(data), hashlib.sha256(data).hexdigest())
 
     def commit(self, files: dict[str, Path | bytes], deletions: list[str], message: str, parent: str) -> str:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete

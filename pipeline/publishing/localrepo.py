@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
 
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import CHUNK
+from pipeline.core.names import repo_path
 
 GIT_IDENTITY = ["-c", "user.name=gemma4-neuron-pipeline", "-c", "user.email=pipeline@localhost",
                 "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]
@@ -81,19 +83,36 @@ class LocalRepo:
     def tag(self, name: str, commit: str, replace: bool = False) -> None:
         self.git("tag", *(["-f"] if replace else []), name, commit)
 
-    def checkout_file(self, revision: str, path: str, dest: Path) -> None:
-        """Stream one file of ``revision`` to ``dest`` (archives can be many GB: never held in memory)."""
-        # Copied through this process, so a full disk raises an OSError here (git would only exit non-zero).
+    def file_digest(self, revision: str, path: str) -> tuple[int, str] | None:
+        """``(size, sha256)`` of one file of ``revision``, hashed as git streams it (None: no such file)."""
+        repo_path(path, "a file of the repository")
+        digest, size = hashlib.sha256(), 0
         with subprocess.Popen(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-            try:
-                with open(dest, "wb") as out:
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+            while chunk := proc.stdout.read(CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        return (size, digest.hexdigest()) if proc.returncode == 0 else None
+
+    def checkout_file(self, revision: str, path: str, dest: Path) -> None:
+        """Stream one file of ``revision`` to ``dest``, a new file (archives can be many GB: never held in memory).
+
+        ``dest`` is created here, exclusively: an existing file is never opened, truncated or removed, whatever a
+        repository's names say, and only the file this call created is removed when the copy fails."""
+        repo_path(path, "a file of the repository")
+        out = open(dest, "xb")  # noqa: SIM115 - closed below, and removed only if it is ours
+        # Copied through this process, so a full disk raises an OSError here (git would only exit non-zero).
+        try:
+            with out, subprocess.Popen(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+                try:
                     shutil.copyfileobj(proc.stdout, out, CHUNK)
-            except BaseException:
-                proc.kill()
-                dest.unlink(missing_ok=True)
-                raise
-            error = proc.stderr.read().decode().strip()
-        if proc.returncode != 0:
+                except BaseException:
+                    proc.kill()
+                    raise
+                error = proc.stderr.read().decode().strip()
+            if proc.returncode != 0:
+                raise PublishError(f"{path} is not in {self.path} at {revision}: {error}")
+        except BaseException:
             dest.unlink(missing_ok=True)
-            raise PublishError(f"{path} is not in {self.path} at {revision}: {error}")
+            raise

@@ -66,6 +66,15 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int
+    max_positions: int | None = None
+    """``max_position_embeddings``: the longest sequence the model was trained for (None: config.json gives none)."""
+
+    def positions_problem(self, kv_max: int) -> str | None:
+        """Why a cache of ``kv_max`` positions is beyond the model (None when it is not)."""
+        if self.max_positions is None or kv_max <= self.max_positions:
+            return None
+        return (f"variant.kv_max={kv_max} is beyond the model's {self.max_positions} positions "
+                f"(max_position_embeddings in its config.json): choose variant.kv_max={self.max_positions} or less")
 
     @property
     def num_layers(self) -> int:
@@ -264,6 +273,7 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
         eos_token_ids=eos_ids,
         bos_token_id=hf.bos_token_id,
         pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
+        max_positions=getattr(hf, "max_position_embeddings", None),
     )
 
 

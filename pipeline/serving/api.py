@@ -1,7 +1,10 @@
 """The HTTP routes of ``serve``: OpenAI-compatible chat and completions, the seed's ``/generate``, health, metrics.
 
-Every request body is checked against the models below before any work (an unknown field, a wrong type, a
-negative ``max_tokens``: a 400 in OpenAI's error shape naming the field), and uvicorn serves them (cli/serve.py).
+Every request body is read up to ``max_request_bytes`` and no further (past it: 413, before the rest is read) and
+checked against the models below before any work (an unknown field, a wrong type, strictly: ``true`` is no number; a
+negative ``max_tokens``: a 400 in OpenAI's error shape naming the field), and uvicorn serves them (cli/serve.py). A
+prompt is tokenized in a thread of its own, off the event loop, after a length check that refuses, untokenized, a
+prompt too long for any tokenization to fit the cache.
 
 One request decodes at a time (the graphs are batch 1). ``Admission`` holds the others in a bounded FIFO queue: past
 ``queue_size`` waiting, a request gets 429 at once; past ``queue_timeout_s`` of waiting, 503; both with
@@ -10,8 +13,9 @@ the start of a stop string), so a client can time every token. Decoding runs in 
 disconnects sets the request's cancel event, and the worker stops before its next token. ``Service.close``
 (SIGTERM) refuses new and waiting requests with 503 while the running one finishes.
 
-Decoding is greedy only: a request that asks for sampling (``temperature`` above 0, ``top_p`` below 1, ``n`` above 1,
-penalties, log-probabilities) is refused naming the field, never served greedily in silence.
+Decoding is greedy unless a request samples: ``temperature``, ``top_p``, ``seed``, the penalties and log-probabilities
+are applied on the host to each step's logits (pipeline/serving/sampling.py; the graphs are the same, validation stays
+greedy); ``n`` above 1 is refused naming the field.
 
 ``/metrics`` is Prometheus' text format: requests by route and status, time to first token and per-token latency
 histograms, tokens generated, and the queue's depth.
@@ -24,9 +28,9 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -37,6 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.serving.engine import Engine, Finish, Piece
+from pipeline.serving.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprob
+from pipeline.validation.generation import new_tokens_problem
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 64  # the generate command's default
@@ -46,36 +52,40 @@ MAX_STOPS = 4  # OpenAI's limit on stop sequences
 # -- request bodies -------------------------------------------------------------------------------------------------
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is refused by name, never ignored
+    # An unknown field is refused by name, never ignored; strict: a boolean is no number (``max_tokens: true`` is a
+    # 400, not one token), a string no number, a float no integer; an integer stands for a float, as in JSON.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 BodyT = TypeVar("BodyT", bound=Body)
 
 
 class Sampling(Body):
-    """The sampling fields of OpenAI's requests: accepted only at the values greedy decoding means."""
+    """The sampling fields of OpenAI's requests (pipeline/serving/sampling.py says what each does)."""
 
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None  # greedy decoding is deterministic: any seed gives the same text
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
     user: str | None = None
 
     def sampling_problem(self) -> tuple[str, str] | None:
-        """``(field, message)`` for a field that asks for anything but greedy decoding."""
-        greedy = "this server decodes greedily (the build's argmax)"
-        if self.temperature:
-            return "temperature", f"temperature {self.temperature}: {greedy}; omit it or set it to 0"
-        if self.top_p is not None and self.top_p < 1:
-            return "top_p", f"top_p {self.top_p}: {greedy}; omit it or set it to 1"
+        """``(field, message)`` for a field this server cannot honour."""
         if self.n not in (None, 1):
-            return "n", f"n {self.n}: one choice per request (greedy decoding gives one answer); omit it or set it to 1"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name, f"{name} {getattr(self, name)}: {greedy} with no penalties; omit it or set it to 0"
+            return "n", f"n {self.n}: one choice per request (the graphs are batch 1); omit it or set it to 1"
         return None
+
+    def sampling(self, top_logprobs: int | None) -> SamplingParams | None:
+        """The request's sampling; None for plain greedy decoding (the build's own argmax, as validation ran it:
+        a seed alone changes nothing, greedy text is the same for any seed)."""
+        params = SamplingParams(temperature=self.temperature or 0.0,
+                                top_p=self.top_p if self.top_p is not None else 1.0, seed=self.seed,
+                                presence_penalty=self.presence_penalty or 0.0,
+                                frequency_penalty=self.frequency_penalty or 0.0, top_logprobs=top_logprobs)
+        plain = params.greedy and not params.presence_penalty and not params.frequency_penalty
+        return None if plain and top_logprobs is None else params
 
 
 class StreamOptions(Body):
@@ -113,17 +123,25 @@ class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def asked_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Refused(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] = Field(min_length=1)
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     echo: Literal[False] | None = None
-    logprobs: Literal[0] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class GenerateRequest(Body):
@@ -143,19 +161,29 @@ class Refused(Exception):
                                                                                 retry_after_s)
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
                             status_code=self.status, headers=headers)
 
 
-async def parse(request: Request, model: type[BodyT]) -> BodyT:
+async def parse(request: Request, model: type[BodyT], max_bytes: int) -> BodyT:
     """The request's JSON body as ``model``, or a 400 naming what is wrong. The body is read as JSON whatever its
-    Content-Type says (curl's ``-d`` sends form encoding)."""
-    raw = await request.body()
+    Content-Type says (curl's ``-d`` sends form encoding), and never past ``max_bytes``: a larger declared
+    Content-Length is a 413 before a byte of it is read, and a body that grows past it (chunked, or longer than
+    declared) a 413 as soon as it does."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(size, max_bytes, "at least ")
+        chunks.append(chunk)
     try:
-        data = json.loads(raw)
+        data = json.loads(b"".join(chunks))
     except ValueError as exc:
         raise Refused(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -164,6 +192,12 @@ async def parse(request: Request, model: type[BodyT]) -> BodyT:
         return model.model_validate(data)
     except ValidationError as exc:
         raise describe_validation(exc) from None
+
+
+def too_large(size: int, max_bytes: int, at_least: str = "") -> Refused:
+    return Refused(413, f"the request body is {at_least}{size} bytes; this server takes at most {max_bytes} "
+                        "(serve --max-request-bytes): shorten the prompt, or start the server with a larger bound",
+                   code="request_too_large")
 
 
 def describe_validation(exc: ValidationError) -> Refused:
@@ -274,19 +308,25 @@ class Outcome:
     completion_tokens: int
     ttft_s: float | None
     decode_s: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Service:
     """The app's state: the engine (``None`` until loaded), its readiness, the queue and the metrics."""
 
-    def __init__(self, engine: Engine, queue_size: int, queue_timeout_s: float):
+    def __init__(self, engine: Engine, queue_size: int, queue_timeout_s: float,
+                 max_request_bytes: int):
         self.engine = engine
         self.metrics = Metrics()
         self.admission: Admission | None = None  # made by open()
         self.queue_size, self.queue_timeout_s = queue_size, queue_timeout_s
+        self.max_request_bytes = max_request_bytes
         self.state = "loading"  # loading, ready, failed, closing
         self.problem = ""
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        # Prompts are tokenized here, off the event loop (so /health answers meanwhile), one at a time (so that many
+        # large prompts at once cost one prompt's memory, not many).
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def open(self) -> None:
         """On the server's event loop, before the first request (asyncio's lock and event belong to one loop)."""
@@ -300,6 +340,7 @@ class Service:
     def shutdown(self) -> None:
         """After the server stopped: wait for the worker (the running request's last token), unload the build."""
         self.worker.shutdown(wait=True)
+        self.tokenizing.shutdown(wait=True)
         self.engine.close()
 
     def close(self) -> None:
@@ -319,22 +360,30 @@ class Service:
                                "(GET /v1/models)", "model", "model_not_found")
         return self.engine
 
+    async def ids(self, texts: list[str], make: Callable[[], list[int]], what: str) -> list[int]:
+        """The token ids ``make()`` computes from ``texts``, in the tokenizing thread. A text too long to fit the
+        build's cache whatever it tokenizes to is refused first, without tokenizing it (``Engine.max_prompt_chars``);
+        a chat template's own refusal (roles out of order...) is a 400 naming ``what``."""
+        chars = sum(len(t) for t in texts)
+        if chars > self.engine.max_prompt_chars:
+            raise Refused(400, f"the {what} is {chars} characters: more than this build's cache of "
+                               f"{self.engine.shape.kv_max} tokens (variant.kv_max) can hold (at most "
+                               f"{self.engine.max_prompt_chars} characters could fit): shorten it", what)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizing, make)
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's or the chat template's refusal of this input
+            raise Refused(400, f"the {what} cannot be tokenized: {exc}", what) from None
+
     def prepare(self, ids: list[int], max_tokens: int | None, what: str, max_field: str = "max_tokens") -> int:
-        """The number of new tokens to decode for a prompt of ``ids``; refuses one the cache cannot hold."""
-        room = self.engine.room(len(ids))
-        if room < 1:
-            raise Refused(400, f"the {what} is {len(ids)} tokens; this build's cache holds {self.engine.shape.kv_max} "
-                               "(variant.kv_max) with room for at least one new token: shorten it", what)
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise Refused(400, f"{max_field} {max_tokens} with a prompt of {len(ids)} tokens needs "
-                               f"{len(ids) + max_tokens} cache positions; this build holds "
-                               f"{self.engine.shape.kv_max} (variant.kv_max): ask for at most {room}", max_field)
-        return max_tokens
+        """The number of new tokens to decode for a prompt of ``ids``; refuses one the cache cannot hold (the rule
+        ``generate`` follows too: validation/generation.py ``new_tokens_problem``)."""
+        problem = new_tokens_problem(len(ids), max_tokens, self.engine.shape.kv_max, max_field)
+        if problem:
+            raise Refused(400, problem, what if self.engine.room(len(ids)) < 1 else max_field)
+        return max_tokens if max_tokens is not None else self.engine.room(len(ids))
 
     async def start(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                    arrived: float) -> Decoding:
+                    arrived: float, sampling: SamplingParams | None = None) -> Decoding:
         """Wait for the turn, then start decoding in the worker thread. The turn is released when the worker is
         done, whether or not anyone reads its pieces (a client gone before its stream began included): the worker
         stops at its next token once the client disconnects."""
@@ -344,7 +393,8 @@ class Service:
 
         def produce() -> None:
             try:
-                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel):
+                sampler = Sampler(sampling) if sampling is not None else None
+                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel, sampler):
                     if isinstance(item, Piece):
                         self.metrics.tokens.inc()  # what the build decoded, read by the client or not
                     loop.call_soon_threadsafe(decoding.pieces.put_nowait, item)
@@ -372,12 +422,14 @@ class Service:
         log.error("serve: decoding failed, the server stops taking requests: %s", self.problem)
 
     async def complete(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                       arrived: float) -> Outcome:
-        decoding = await self.start(request, ids, max_tokens, stops, arrived)
-        text, reason, count, ttft, decode_s = [], "length", 0, None, 0.0
+                       arrived: float, sampling: SamplingParams | None = None) -> Outcome:
+        decoding = await self.start(request, ids, max_tokens, stops, arrived, sampling)
+        text, reason, count, ttft, decode_s, logprobs = [], "length", 0, None, 0.0, []
         async for item in decoding.items():
             if isinstance(item, Piece):
                 text.append(item.text)
+                if item.logprob is not None:
+                    logprobs.append(item.logprob)
                 if ttft is None:
                     ttft = item.seconds
                 else:
@@ -385,7 +437,7 @@ class Service:
             else:
                 text.append(item.text)
                 reason, count = item.reason, item.completion_tokens
-        return Outcome("".join(text), reason, len(ids), count, ttft, decode_s)
+        return Outcome("".join(text), reason, len(ids), count, ttft, decode_s, logprobs)
 
 
 class Decoding:
@@ -511,7 +563,7 @@ def create_app(service: Service) -> FastAPI:
 
     async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, tuple[str, ...]]:
         """A chat or completion request's body, checked; the engine, ready and serving its model; its stops."""
-        body = await parse(request, kind)
+        body = await parse(request, kind, service.max_request_bytes)
         engine = service.require_ready(body.model)
         check_sampling(body)
         return body, engine, stops_of(body.stop)
@@ -522,34 +574,35 @@ def create_app(service: Service) -> FastAPI:
         body, engine, stops = await accept(request, ChatRequest)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise Refused(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        try:
-            ids = engine.chat_ids([m.as_template_input() for m in body.messages])
-        except Exception as exc:  # noqa: BLE001 - the chat template's own refusal (roles out of order...)
-            raise Refused(400, f"the chat template refused the messages: {exc}", "messages") from None
+        messages = [m.as_template_input() for m in body.messages]
+        ids = await service.ids([m["content"] for m in messages], lambda: engine.chat_ids(messages), "messages")
         max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = service.prepare(ids, body.max_tokens or body.max_completion_tokens, "messages", max_field)
+        sampling = body.sampling(body.asked_logprobs())
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": reply_id, "created": created, "model": engine.version}
         if not body.stream:
-            out = await service.complete(request, ids, max_tokens, stops, arrived)
+            out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
             return {**head, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                "finish_reason": out.finish_reason}], "usage": usage(out.prompt_tokens, out.completion_tokens)}
+                "index": 0, "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(engine, out.logprobs, sampling), "finish_reason": out.finish_reason}],
+                "usage": usage(out.prompt_tokens, out.completion_tokens)}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(delta: dict, finish: str | None) -> str:
+        def chunk(delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+            logprobs = chat_logprobs(engine, [logprob], sampling) if logprob else None
             return sse({**head, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
-        decoding = await service.start(request, ids, max_tokens, stops, arrived)  # refusals keep their status
+        decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
 
         async def events() -> AsyncIterator[str]:
             yield chunk({"role": "assistant", "content": ""}, None)
             async for item in stream_items(decoding):
                 if isinstance(item, str):
                     yield item  # an error after the stream began
-                elif isinstance(item, Piece):
-                    yield chunk({"content": item.text}, None)  # one event per token, its text possibly held back
+                elif isinstance(item, Piece):  # one event per token, its text possibly held back
+                    yield chunk({"content": item.text}, None, item.logprob)
                 else:
                     if item.text:
                         yield chunk({"content": item.text}, None)
@@ -572,28 +625,34 @@ def create_app(service: Service) -> FastAPI:
             prompt = body.prompt[0]
         else:
             prompt = body.prompt
-        ids = engine.text_ids(prompt)
+        ids = await service.ids([prompt], lambda: engine.text_ids(prompt), "prompt")
         max_tokens = service.prepare(ids, body.max_tokens, "prompt")
+        sampling = body.sampling(body.asked_logprobs())
         reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
         if not body.stream:
-            out = await service.complete(request, ids, max_tokens, stops, arrived)
-            return {**head, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+            out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
+            return {**head, "choices": [{"index": 0, "text": out.text,
+                                         "logprobs": completion_logprobs(engine, out.logprobs, sampling),
                                          "finish_reason": out.finish_reason}],
                     "usage": usage(out.prompt_tokens, out.completion_tokens)}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        offset = [0]  # characters streamed so far: each event's logprobs carry their text_offset
 
-        def chunk(text: str, finish: str | None) -> str:
-            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+        def chunk(text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+            logprobs = completion_logprobs(engine, [logprob], sampling, offset[0]) if logprob else None
+            offset[0] += len(text)
+            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                             "finish_reason": finish}]})
 
-        decoding = await service.start(request, ids, max_tokens, stops, arrived)  # refusals keep their status
+        decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
 
         async def events() -> AsyncIterator[str]:
             async for item in stream_items(decoding):
                 if isinstance(item, str):
                     yield item
-                elif isinstance(item, Piece):
-                    yield chunk(item.text, None)  # one event per token, its text possibly held back
+                elif isinstance(item, Piece):  # one event per token, its text possibly held back
+                    yield chunk(item.text, None, item.logprob)
                 else:
                     yield chunk(item.text, item.reason)
                     if include_usage:
@@ -605,9 +664,10 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> dict:
         arrived = time.perf_counter()
-        body = await parse(request, GenerateRequest)
+        body = await parse(request, GenerateRequest, service.max_request_bytes)
         engine = service.require_ready(None)
-        ids = engine.chat_ids([{"role": "user", "content": body.prompt}])
+        messages = [{"role": "user", "content": body.prompt}]
+        ids = await service.ids([body.prompt], lambda: engine.chat_ids(messages), "prompt")
         max_tokens = service.prepare(ids, body.max_tokens, "prompt")
         out = await service.complete(request, ids, max_tokens, (), arrived)
         steps = out.completion_tokens - 1
@@ -617,6 +677,42 @@ def create_app(service: Service) -> FastAPI:
                 "tokens_per_s": round(steps / out.decode_s, 1) if steps > 0 and out.decode_s else None}
 
     return app
+
+
+def chat_logprobs(engine: Engine, entries: list[TokenLogprob], sampling: SamplingParams | None) -> dict | None:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` (None: not asked)."""
+    if sampling is None or sampling.top_logprobs is None:
+        return None
+
+    def one(token: int, logprob: float) -> dict:
+        text = engine.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(engine: Engine, entries: list[TokenLogprob], sampling: SamplingParams | None,
+                        start: int = 0) -> dict | None:
+    """OpenAI's completions ``logprobs``: ``{tokens, token_logprobs, top_logprobs, text_offset}`` (None: not asked;
+    ``text_offset`` counts characters of the completion from ``start``)."""
+    if sampling is None or sampling.top_logprobs is None:
+        return None
+    tokens = [engine.token_text(e.token) for e in entries]
+    offsets, at = [], start
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    tops = None
+    if sampling.top_logprobs:
+        tops = []
+        for e in entries:  # keyed by text, as OpenAI's are: of two tokens spelt alike, the likelier is kept
+            top: dict[str, float] = {}
+            for t, lp in e.top:
+                top.setdefault(engine.token_text(t), lp)
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 async def stream_items(decoding: Decoding) -> AsyncIterator[Piece | Finish | str]:

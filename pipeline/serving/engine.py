@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifact.archive import verify_build
-from pipeline.artifact.manifest import Manifest
+from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.backends import get_backend
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
+from pipeline.serving.sampling import Sampler, TokenLogprob
 from pipeline.validation.generation import Generator
 from pipeline.validation.prompts import messages_ids
 
@@ -43,6 +44,7 @@ class Piece:
     token: int
     text: str
     seconds: float  # the prefill's time for the first token, the decode step's after
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,15 @@ def require_tokenizer(checkpoint: Path) -> None:
                          "the base model's tokenizer files into it (the model stage's weights/ folder has them)")
 
 
+def max_prompt_chars(tokenizer, kv_max: int) -> int:
+    """The most characters a prompt could have and still fit ``kv_max`` tokens: each token stands for at most as many
+    characters as its vocabulary entry's spelling (``▁the`` for " the"; a byte-fallback ``<0x41>`` for one), so a
+    longer text cannot tokenize into ``kv_max`` tokens. Twice that, in case a tokenizer's normalizer folds several
+    characters into one. Lets ``serve`` refuse an oversized prompt without tokenizing it."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return 2 * longest * kv_max
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many characters at the end of ``text`` must wait: an incomplete character (the tokenizer shows it as
     U+FFFD until its last byte arrives), or a tail that could be the start of a stop string."""
@@ -90,13 +101,18 @@ class Engine:
         self.rank_dir = rank_dir
         self.checkpoint = checkpoint
         self.text_prefix = text_prefix
-        self.manifest = Manifest.read(rank_dir.with_name(rank_dir.name + ".manifest.json"))
+        self.manifest = Manifest.read(manifest_of(rank_dir))
         self.version: str = self.manifest.version
         self.shape: BuildShape = self.manifest.shape
         self._stack = contextlib.ExitStack()
         self.tokenizer = None
         self.generator: Generator | None = None
         self.host_bytes: dict[str, int] = {}
+        self.max_prompt_chars = 0  # set by load
+        # The tokenizer is used from two threads (the server's tokenizing thread, the decode thread); transformers
+        # reconfigures the Rust tokenizer on each call (truncation, padding), which another thread's call at the same
+        # moment meets as "Already borrowed" (huggingface/tokenizers#537): one at a time.
+        self._tokenizer_lock = threading.Lock()
 
     def verify(self) -> None:
         """The rank files against the manifest (sha256 of each), and the checkpoint's tokenizer: before any load."""
@@ -111,6 +127,7 @@ class Engine:
         from pipeline.recipe.spec import load_spec
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.shape.kv_max)
         spec = load_spec(self.checkpoint)
         ckpt = self._stack.enter_context(
             Checkpoint(self.checkpoint, self.text_prefix or text_prefix_of(self.checkpoint)))
@@ -135,36 +152,45 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------------------------
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        return messages_ids(self.tokenizer, messages)
+        with self._tokenizer_lock:
+            return messages_ids(self.tokenizer, messages)
 
     def text_ids(self, prompt: str) -> list[int]:
         """A raw completion prompt: the tokenizer's own special tokens (BOS), no chat template."""
-        return list(self.tokenizer(prompt)["input_ids"])
+        with self._tokenizer_lock:
+            return list(self.tokenizer(prompt)["input_ids"])
 
     def room(self, prompt_tokens: int) -> int:
         """How many new tokens the build's cache holds after a prompt of this length."""
         return self.shape.kv_max - prompt_tokens
 
-    def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-               cancel: threading.Event) -> Iterator[Piece | Finish]:
-        """Greedy decode: a ``Piece`` per token, then one ``Finish``. Stops at an end-of-sequence token (not shown),
-        at a stop string (cut before it), after ``max_tokens``, or at the first step after ``cancel`` is set."""
+    def token_text(self, token: int) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode([token])
+
+    def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...], cancel: threading.Event,
+               sampler: Sampler | None = None) -> Iterator[Piece | Finish]:
+        """Decode (greedy, or ``sampler``'s choices): a ``Piece`` per token, then one ``Finish``. Stops at an
+        end-of-sequence token (not shown), at a stop string (cut before it), after ``max_tokens``, or at the first
+        step after ``cancel`` is set."""
         tokens: list[int] = []
         shown = 0  # characters of the generated text already given out
-        for step in self.generator.steps(ids, max_tokens):
+        choose = sampler.choose if sampler else None
+        for step in self.generator.steps(ids, max_tokens, choose=choose):
             if step.token in self.generator.eos_ids:
                 text = self._text(tokens)
                 yield Finish("stop", text[shown:], len(tokens) + 1)
                 return
             tokens.append(step.token)
             text = self._text(tokens)
+            logprob = sampler.logprobs[-1] if sampler and sampler.params.top_logprobs is not None else None
             cut = min((text.find(s, max(0, shown - len(s))) for s in stops if s in text), default=-1)
             if cut >= 0:
-                yield Piece(step.token, "", step.seconds)
+                yield Piece(step.token, "", step.seconds, logprob)
                 yield Finish("stop", text[shown:cut], len(tokens))
                 return
             ready = len(text) - held_back(text, stops)
-            yield Piece(step.token, text[shown:ready], step.seconds)
+            yield Piece(step.token, text[shown:ready], step.seconds, logprob)
             shown = max(shown, ready)
             if cancel.is_set():
                 yield Finish("cancelled", "", len(tokens))
@@ -172,4 +198,5 @@ class Engine:
         yield Finish("length", self._text(tokens)[shown:], len(tokens))
 
     def _text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)

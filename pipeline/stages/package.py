@@ -15,6 +15,7 @@ import time
 from pipeline import __version__
 from pipeline.artifact import archive as archive_mod
 from pipeline.artifact import signing
+from pipeline.artifact.formats import SUFFIX
 from pipeline.artifact.manifest import SCHEMA_VERSION, ArchiveFile, Manifest
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import Member
@@ -66,7 +67,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         raise IntegrityError(f"{paths.build} holds {found}, the trace recorded {recorded}: "
                              "remove the stray files or rerun stage=trace force=true")
     with reporting_full_disk(paths.dist, "package"), staged_dir(paths.dist) as tmp:
-        out = tmp / f"{root}{archive_mod.SUFFIX[cfg.package.format]}"
+        out = tmp / f"{root}{SUFFIX[cfg.package.format]}"
         packed = archive_mod.pack(paths.build, recorded, root, out, cfg.package.format, cfg.package.threads)
         members = tuple(Member(**m) for m in packed["members"])
         if members != build.members:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -35,8 +34,9 @@ from pipeline.config import PipelineConfig
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import write_json_if_changed
 from pipeline.core.log import log
+from pipeline.core.names import version_problem
 from pipeline.paths import Paths
-from pipeline.publishing import regression
+from pipeline.publishing import layout, regression
 from pipeline.publishing.card import render
 from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult
@@ -74,29 +74,34 @@ def require_real_or_allowed(manifest: Manifest, repo_id: str, allow_demo: bool) 
                            "published")
 
 
-# What ``git check-ref-format`` refuses anywhere in a ref: control characters, space, ``~^:?*[\``, ``..``, ``@{``
-# and ``//`` (git-check-ref-format(1), rules 3-5, 8 and 10); the Hub checks tag names the same way.
-_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
+def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
+    """Everything that would refuse this configuration's publish and is known before anything is built: the
+    placeholder repository, a missing Hub token, and a demo build (the embedded tiny model, or a backend that is not
+    neuron) without ``publish.allow_demo``. All at once: one run says all three, before its first stage."""
+    pub = cfg.publish
+    if pub.target != "hub":
+        return []
+    found = [p for p in (pub.placeholder_problem(),) if p]
+    from huggingface_hub import get_token
 
-
-def tag_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a tag (``git check-ref-format refs/tags/<name>``, and no leading ``-``, which git's
-    commands would read as an option), or None."""
-    if not name or name == "@":
-        return "it is empty or '@'"
-    found = _REF_FORBIDDEN.search(name)
-    if found:
-        return f"it contains {found.group()!r}"
-    if name.startswith(("-", "/")) or name.endswith(("/", ".")):
-        return "it starts with '-' or '/', or ends with '/' or '.'"
-    if any(part.startswith(".") or part.endswith(".lock") for part in name.split("/")):
-        return "a component starts with '.' or ends with '.lock'"
-    return None
+    if not get_token():
+        found.append("no Hugging Face token: set HF_TOKEN (a token with write access to publish.repo_id) or run "
+                     "`hf auth login`")
+    reasons = []
+    if not cfg.model.hub_id:
+        reasons.append(f"its model, {cfg.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
+    if backend != "neuron":
+        reasons.append(f"it would be built by the {backend} backend, not compiled for Inferentia")
+    if reasons and not pub.allow_demo:
+        found.append("the build is a demo build: " + "; ".join(reasons) + ". Build the real model on an inf2 host "
+                     "(model=gemma4_e4b backend=neuron), or set publish.allow_demo=true to publish it as a demo "
+                     "build (its card says so)")
+    return found
 
 
 def require_valid_tag(version: str) -> None:
     """A version is published as a tag: a name git (and the Hub) would refuse is refused before any request."""
-    problem = tag_problem(version)
+    problem = version_problem(version)
     if problem:
         raise PublishError(f"version {version!r} cannot be a tag ({problem}): its variant's name and compiler id "
                            "make it; nothing was published")
@@ -142,21 +147,17 @@ def read_manifest(raw: bytes | None, where: str) -> Manifest | None:
 
 
 def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: dict, private_key: str | None) -> dict:
-    """The version's files in the repo layout; the published manifest is signed again (it now carries the
-    validation summary), so that pull can verify it."""
-    files = {f"{variant}/{archive.name}": archive, f"{variant}/manifest.json": dump(manifest.to_json()),
-             f"{variant}/metrics.json": dump(metrics)}
+    """The version's files in the repo layout (pipeline/publishing/layout.py); the published manifest is signed again
+    (it now carries the validation summary), so that pull can verify it."""
+    manifest_path = layout.path_in(variant, layout.MANIFEST)
+    files = {layout.path_in(variant, archive.name): archive, manifest_path: dump(manifest.to_json()),
+             layout.path_in(variant, layout.METRICS): dump(metrics)}
     if private_key:
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / signing.MANIFEST).write_bytes(files[f"{variant}/manifest.json"])
-            files[f"{variant}/{signing.SIGNATURE}"] = signing.sign(Path(tmp), archive.name, private_key).read_bytes()
+            (Path(tmp) / signing.MANIFEST).write_bytes(files[manifest_path])
+            files[layout.path_in(variant, signing.SIGNATURE)] = signing.sign(Path(tmp), archive.name,
+                                                                             private_key).read_bytes()
     return files
-
-
-def folder_of(version: str, folders: set[str]) -> str | None:
-    """The variant folder of a version (``<variant>-<compiler>-<inputs>`` lives under ``<variant>/``)."""
-    matches = [f for f in folders if version.startswith(f + "-")]
-    return max(matches, key=len) if matches else None
 
 
 def published_manifests(target, exclude: str) -> list[Manifest]:
@@ -165,9 +166,8 @@ def published_manifests(target, exclude: str) -> list[Manifest]:
     for tag, commit in sorted(target.tags().items()):
         if tag == exclude:
             continue
-        files = target.list_files(commit)
-        folder = folder_of(tag, {f.split("/")[0] for f in files if f.endswith("/manifest.json")})
-        raw = target.read(commit, f"{folder}/manifest.json") if folder else None
+        folder = layout.folder_of(tag, target.list_files(commit))
+        raw = target.read(commit, layout.path_in(folder, layout.MANIFEST)) if folder else None
         manifest = read_manifest(raw, f"{folder}/manifest.json at tag {tag}")
         if manifest and manifest.version == tag:
             out.append(manifest)
@@ -180,36 +180,82 @@ def same_build(theirs: Manifest | None, ours: Manifest) -> bool:
     return theirs is not None and (theirs.members, theirs.archive.format) == (ours.members, ours.archive.format)
 
 
-def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str) -> dict:
-    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build).
+def archive_problem(target, commit: str, variant: str, published: Manifest) -> str | None:
+    """Why the archive published at ``commit`` is not the one its manifest names (size and sha256), or None."""
+    path = layout.path_in(variant, published.archive.name)
+    found = target.file_digest(commit, path)
+    if found is None:
+        return f"{path} is missing at commit {commit[:12]}"
+    size, sha256 = found
+    if (size, sha256) != (published.archive.size, published.archive.sha256):
+        return (f"{path} at commit {commit[:12]} has {size} bytes and sha256 {sha256[:16]}..., its manifest says "
+                f"{published.archive.size} bytes and {published.archive.sha256[:16]}...")
+    return None
+
+
+def repair(target, version: str, variant: str, archive: Path, ours: Manifest, theirs: Manifest, problem: str) -> str:
+    """Restore the published archive of ``version`` byte for byte, in a new commit that the tag moves to; or refuse,
+    saying why. Only the archive is written again (its manifest, card and signature stay as published), so it is
+    done only when this build's archive is exactly the bytes the published manifest names, and only when the
+    repository's head still holds this version for the variant (else restoring it would roll the head back)."""
+    tags, head = target.tags(), target.head()
+    fix = (f"delete the tag {version} (and its files at the head, if there) so that the next publish makes it again")
+    if ours.archive.sha256 != theirs.archive.sha256:
+        raise PublishError(f"version {version} is published with a corrupt archive ({problem}); this build's archive "
+                           "is other bytes than its manifest names (packed by another compressor version?), so it "
+                           f"cannot restore them. Refused, nothing was published: {fix}")
+    at_head = read_manifest(target.read(head, layout.path_in(variant, layout.MANIFEST)),
+                            f"{variant}/manifest.json at the head")
+    if at_head is None or at_head.version != version:
+        holds = at_head.version if at_head else "no version"
+        raise PublishError(f"version {version} is published with a corrupt archive ({problem}), and the head now holds "
+                           f"{holds} of {variant}: restoring it there would roll the head back. Refused, nothing was "
+                           f"published: {fix}")
+    verify_file(archive, ours.archive.size, ours.archive.sha256, "archive")
+    commit = target.commit({layout.path_in(variant, ours.archive.name): archive}, [],
+                           f"Repair {version}: restore its archive", head)
+    target.tag(version, commit, replace=True)
+    log.warning("publish: %s had a corrupt archive (%s): REPAIRED, restored byte for byte in commit %s, the tag "
+                "moved from %s", version, problem, commit[:12], tags[version][:12])
+    return commit
+
+
+def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str,
+                    archive: Path) -> dict:
+    """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build),
+    once the published archive is verified against its manifest (and repaired from ``archive`` if it can be).
 
     ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
     returns ``(files, manifest)`` to publish (it may refuse: the regression gate). Returns
-    ``{"commit": oid, "created": bool}``.
+    ``{"commit": oid, "created": bool, "repaired": bool}``.
     """
     target.ensure()
     tags = target.tags()
     if version in tags:
-        theirs = read_manifest(target.read(tags[version], f"{variant}/manifest.json"),
+        theirs = read_manifest(target.read(tags[version], layout.path_in(variant, layout.MANIFEST)),
                                f"{variant}/manifest.json at tag {version}")
         if same_build(theirs, ours):
-            log.info("publish: %s is already published at %s (the same rank files): nothing to do", version,
-                     tags[version][:12])
-            return {"commit": tags[version], "created": False}
+            problem = archive_problem(target, tags[version], variant, theirs)
+            if problem is None:
+                log.info("publish: %s is already published at %s (the same rank files, its archive verified): "
+                         "nothing to do", version, tags[version][:12])
+                return {"commit": tags[version], "created": False, "repaired": False}
+            commit = repair(target, version, variant, archive, ours, theirs, problem)
+            return {"commit": commit, "created": False, "repaired": True}
         raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) from another build "
                            "(its rank files or archive format differ): the same inputs gave different files, so "
                            "something that decides them is missing from the version's inputs (stages/trace.py, "
                            "inputs_digest). A published version is never replaced; nothing was published")
     head = target.head()
-    files, manifest = prepare(read_manifest(target.read(head, f"{variant}/manifest.json"),
+    files, manifest = prepare(read_manifest(target.read(head, layout.path_in(variant, layout.MANIFEST)),
                                             f"{variant}/manifest.json at the head"))
     others = published_manifests(target, version)
     require_same_model(manifest, others, repo_id)
     card = render(others + [manifest], repo_id, source).encode()
     stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
-    commit = target.commit({**files, "README.md": card}, stale, f"Publish {version}", head)
+    commit = target.commit({**files, layout.CARD: card}, stale, f"Publish {version}", head)
     target.tag(version, commit, replace=False)
-    return {"commit": commit, "created": True}
+    return {"commit": commit, "created": True, "repaired": False}
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -237,7 +283,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
     def publish(target, source: str) -> dict:
-        return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source)
+        return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source, archive)
 
     if pub.target == "local":
         repo_dir = paths.root / pub.local_dir
@@ -258,5 +304,5 @@ def run(cfg: PipelineConfig) -> StageResult:
         "fingerprint": manifest.fingerprint, "archive_sha256": manifest.archive.sha256,
     })
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
-             "new commit" if result["created"] else "already there")
-    return StageResult("publish", "ran" if result["created"] else "skipped", details=result)
+             "new commit" if result["created"] else "archive repaired" if result["repaired"] else "already there")
+    return StageResult("publish", "ran" if result["created"] or result["repaired"] else "skipped", details=result)

@@ -22,8 +22,9 @@ import shutil
 import subprocess
 import time
 
-from pipeline.backends import resolve
+from pipeline.backends import package_problem, resolve
 from pipeline.config import PipelineConfig
+from pipeline.core.errors import BuildError
 from pipeline.core.fsutil import write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.versions import installed as package_version
@@ -127,7 +128,11 @@ def run(cfg: PipelineConfig) -> StageResult:
 
     versions.check()  # a torch or transformers outside the supported range: refused before anything is written
     started = time.monotonic()
-    record = collect(resolve(cfg.backend.name))
+    backend = resolve(cfg.backend.name)
+    problem = package_problem(backend)  # a backend this host cannot run changes no record (no build marked stale)
+    if problem:
+        raise BuildError(problem)
+    record = collect(backend)
     path = Paths.of(cfg).toolchain
     changed = write_json_if_changed(path, record)
     present = {k: v["version"] for k, v in record["packages"].items() if v["version"]}

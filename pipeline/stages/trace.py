@@ -95,8 +95,14 @@ def preflight_need(cfg: PipelineConfig, backend: str, est: preflight.Estimate) -
         disk_paths.append(compiler_workdir(cfg))
     if Path(".dvc/cache").is_dir():  # dvc repro copies (or links) every output into its cache
         disk_paths.append(Path(".dvc/cache").resolve())
+    extra = {}
+    if backend == "neuron" and cfg.variant.prefill == "device":
+        # ModelBuilder writes every rank's slice of the weights into its work folder before loading them back
+        # (tp{rank}_sharded_checkpoint.safetensors: NxD v2.28.0 trace/model_builder.py:764-773, 984): all ranks'
+        # bytes again, on the work folder's file system, beside its compiler files.
+        extra[compiler_workdir(cfg) or paths.variant_dir] = est.weights.ranks
     return preflight.trace_need(est.resources, backend, cfg.variant.shape, cfg.backend.max_parallel, disk_paths,
-                                est.describe())
+                                est.describe(), extra)
 
 
 def compiler_env() -> dict:

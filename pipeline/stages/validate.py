@@ -256,6 +256,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         "throughput": measured["throughput"],
         "contexts": measured["contexts"],  # every figure per context length (the same two rates, per context)
         "costs_s": measured["costs_s"], "peak_rss_mb": measured["peak_rss_mb"],
+        "threads": measured["threads"],  # torch's threads per phase on the host (validation/generation.py)
         "prompts": measured["report"],
     })
     atomic_write_json(paths.plot_rows, [

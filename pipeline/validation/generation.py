@@ -9,9 +9,10 @@ would have picked at each step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from pipeline.backends.base import RankRunner
 from pipeline.core.errors import InputError
 from pipeline.core.shape import BuildShape
+from pipeline.host.procinfo import usable_cpus
 from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
 
 
@@ -34,10 +36,26 @@ class Generation:
 
 @dataclass
 class Step:
-    token: int  # the build's choice (its argmax)
+    token: int  # the build's choice (its argmax), or what ``choose`` picked from the logits
     logits: torch.Tensor  # [vocab] fp32, the logits behind it
     seconds: float  # the prefill's wall time (host work included) for the first step, the decode call's after
     prefill_calls: int = 0
+
+
+def new_tokens_problem(prompt_len: int, asked: int | None, kv_max: int, setting: str) -> str | None:
+    """Why ``asked`` new tokens after a prompt of ``prompt_len`` do not fit a cache of ``kv_max`` (None when they do):
+    the one rule of ``generate`` and ``serve`` (a request is never clamped in silence). ``setting`` names what the
+    user set (``--max-new-tokens``, ``max_tokens``)."""
+    room = kv_max - prompt_len
+    if asked is not None and asked < 1:
+        return f"{setting} {asked}: ask for at least 1 new token"
+    if room < 1:
+        return (f"the prompt is {prompt_len} tokens; this build's cache holds {kv_max} (variant.kv_max) with room for "
+                "at least one new token: shorten it")
+    if asked is not None and asked > room:
+        return (f"{setting} {asked} with a prompt of {prompt_len} tokens needs {prompt_len + asked} cache positions; "
+                f"this build holds {kv_max} (variant.kv_max): ask for at most {room}")
+    return None
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
@@ -54,9 +72,35 @@ def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
         )
 
 
+DECODE_THREADS = 1
+"""torch's threads on the host while decoding: a step only looks up two embedding rows and takes an argmax of the
+returned logits; more threads contend with the ranks (the cpu backend's processes, the Neuron runtime's threads)."""
+
+
+def host_prefill_threads() -> int:
+    """torch's threads for host prefill: every CPU this process may use. The host's float model runs the whole prompt
+    through every layer in fp32; the seed recipe measured 6.3 s on 1 thread and 1.4 s on 32 for a 16-token prompt of
+    E4B (optb_server_tp.py, which sets ``torch.set_num_threads(os.cpu_count())``)."""
+    return usable_cpus()
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` intra-op threads, then restore the count it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Generator:
+    """Greedy generation over a loaded build. The thread policy is per phase: host prefill with every usable CPU
+    (``prefill_threads``), decode steps with ``DECODE_THREADS``; both are recorded by validation (``threads``)."""
+
     def __init__(self, runner: RankRunner, embed: HostEmbeddings, eos_ids: tuple[int, ...], pad_id: int,
-                 host_prefill: HostPrefill | None = None):
+                 host_prefill: HostPrefill | None = None, prefill_threads: int | None = None):
         self.runner = runner
         self.shape: BuildShape = runner.shape
         self.embed = embed
@@ -65,10 +109,18 @@ class Generator:
         if self.shape.prefill == "host" and host_prefill is None:
             raise ValueError("a prefill=host build needs the host's float model (HostPrefill)")
         self.host_prefill = host_prefill
+        self.prefill_threads = prefill_threads or host_prefill_threads()
+
+    @property
+    def threads(self) -> dict[str, int]:
+        """The thread policy, as validation.json records it."""
+        return {"host_prefill": self.prefill_threads if self.shape.prefill == "host" else 0,
+                "decode": DECODE_THREADS, "usable_cpus": usable_cpus()}
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.shape.prefill == "host":
-            logits, token, caches = self.host_prefill.prefill(prompt)
+            with torch_threads(self.prefill_threads):
+                logits, token, caches = self.host_prefill.prefill(prompt)
             self.runner.seed_kv(split_kv_for_ranks(caches, self.shape.tp_degree, self.shape.torch_dtype))
             return logits, token, 0
         self.runner.reset()
@@ -82,23 +134,30 @@ class Generator:
             logits, token = self.runner.prefill(embeds, per_layer, positions, torch.tensor([len(chunk) - 1]))
         return logits, token, calls
 
-    def steps(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Iterator[Step]:
+    def steps(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None,
+              choose: Callable[[torch.Tensor], int] | None = None) -> Iterator[Step]:
         """Greedy decode up to ``max_new_tokens`` (stopping after an EOS), or teacher-forced over ``forced``: one
-        ``Step`` per token, as it is chosen (the server streams them). The first step's time is the prefill's."""
+        ``Step`` per token, as it is chosen (the server streams them). The first step's time is the prefill's.
+        ``choose`` (serve's sampling) picks each token from the step's logits on the host instead of the argmax:
+        the graphs are the same, nothing is compiled for it; validation never passes it."""
         steps = len(forced) if forced is not None else max_new_tokens
         check_fits(len(prompt), steps, self.shape)
         started = time.perf_counter()
-        logits, token, calls = self._prefill(prompt)
-        yield Step(int(token), logits.view(-1), time.perf_counter() - started, calls)
+        with torch_threads(DECODE_THREADS):  # the device prefill's host work, and every decode step below
+            logits, token, calls = self._prefill(prompt)
+            token = choose(logits.view(-1)) if choose else int(token)
+        yield Step(token, logits.view(-1), time.perf_counter() - started, calls)
         fed, position = int(token), len(prompt)
         for step in range(1, steps):
             fed = forced[step - 1] if forced is not None else fed
             if forced is None and fed in self.eos_ids:
                 return
             t0 = time.perf_counter()
-            embeds, per_layer = self.embed([fed])
-            logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
-            yield Step(int(token), logits.view(-1), time.perf_counter() - t0)
+            with torch_threads(DECODE_THREADS):
+                embeds, per_layer = self.embed([fed])
+                logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
+                token = choose(logits.view(-1)) if choose else int(token)
+            yield Step(token, logits.view(-1), time.perf_counter() - t0)
             fed = int(token)
             position += 1
 

@@ -28,7 +28,7 @@ from pipeline.artifact.archive import extract_verified
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
-from pipeline.core.fsutil import atomic_write_json, sha256_file, temp_dir_beside
+from pipeline.core.fsutil import atomic_write_json, reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
@@ -259,7 +259,8 @@ def run_job(job: dict) -> dict:
     work = temp_dir_beside(Path(job["workdir"]))
     started = time.monotonic()
     try:
-        ranks = extract_verified(Path(job["archive"]), manifest, work / "ranks")
+        with reporting_full_disk(work, "validate: unpacking the archive"):
+            ranks = extract_verified(Path(job["archive"]), manifest, work / "ranks")
         unpacked = time.monotonic()
         spec = load_spec(job["weights"])
         with Checkpoint(job["weights"], job["text_prefix"], job["head_key"]) as ckpt:
@@ -278,6 +279,7 @@ def run_job(job: dict) -> dict:
                 parity_done = time.monotonic()
                 filler = [t for p in reference["prompts"] for t in p["input_ids"]]
                 measured = measure_throughput(gen, shape, _namespace(job["throughput"]), filler)
+                threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -294,6 +296,7 @@ def run_job(job: dict) -> dict:
                     "parity": round(parity_done - loaded, 3), "throughput": round(time.monotonic() - parity_done, 3)},
         "peak_rss_mb": {"ranks": round(max(rss) / 2**20, 1) if rss else None,
                         "host": round(peak_rss_bytes() / 2**20, 1)},
+        "threads": threads,
         "report": report,
     }
 
@@ -305,6 +308,8 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     job_path, result_path = Path(argv[0]), Path(argv[1])
     job = json.loads(job_path.read_text())
+    # One thread for everything but host prefill, which the Generator runs on every usable CPU (its thread policy,
+    # recorded in validation.json): the decode loop and the comparisons are measured as a server runs them.
     torch.set_num_threads(1)
     try:
         result = {"ok": True, "metrics": run_job(job)}

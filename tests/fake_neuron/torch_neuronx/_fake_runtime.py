@@ -172,3 +172,39 @@ _LIB.impl("fake_all_reduce", _all_reduce, "CompositeExplicitAutograd")
 _LIB.impl("fake_all_gather", _all_gather, "CompositeExplicitAutograd")
 _LIB.impl("fake_claim_cores", _claim_op, "CompositeExplicitAutograd")
 _LIB.impl("fake_is_initialized", _is_initialized, "CompositeExplicitAutograd")
+
+
+# -- the compiler process -------------------------------------------------------------------------------------------
+
+LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"  # neuronx-cc's --logfile default, relative to its working directory
+
+
+def compile_graph(hlo: Path, neff: Path, flags, target: str = "inf2") -> list[str]:
+    """What a neuronx-cc run does to its surroundings, for both trace paths; returns its command line.
+
+    - It runs in the caller's working directory (libneuronxla and torch-neuronx pass no cwd: the only public copy of
+      torch-neuronx's trace, 1.x, runs ``subprocess.run(command)``), which must still exist: a process whose working
+      directory was deleted cannot resolve it (``os.getcwd()`` raises FileNotFoundError), and relative writes fail.
+    - Its command is ``neuronx-cc compile <hlo> --framework XLA --target <target> --output <neff>`` then the given
+      flags (the 1.x copy; NxD v2.28.0 model_builder.py passes ``platform_target`` apart from the flags, so the
+      target is added below NxD), split like a shell (``shlex.split``) when it is one string.
+    - The first line of its log is that command (a log of a real compile starts ``INFO ... [root]: .../neuronx-cc
+      compile --framework XLA ...``); the log goes to ``--logfile`` if given, else to ``log-neuron-cc.txt`` in the
+      working directory.
+    """
+    import datetime
+    import shlex
+
+    cwd = os.getcwd()
+    args = shlex.split(flags) if isinstance(flags, str) else list(flags or [])
+    command = ["/opt/aws_neuronx_venv/bin/neuronx-cc", "compile", str(hlo), "--framework", "XLA", "--target", target,
+               "--output", str(neff), *args]
+    logfile = next((a.split("=", 1)[1] for a in args if a.startswith("--logfile=")), None)
+    if logfile is None and "--logfile" in args:
+        logfile = args[args.index("--logfile") + 1]
+    log = Path(logfile) if logfile else Path(cwd) / LOG_FILE_DEFAULT_NAME
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        out.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}.000 INFO {os.getpid()} [root]: "
+                  f"{shlex.join(command)}\n")
+    return command

@@ -5,11 +5,13 @@ What it does as the real one does (line numbers at v2.28.0):
   torch-neuronx that is not 2.x (~457).
 - ``add`` passes ``compiler_args`` through ``append_default_compiler_flags`` (~104-124): a string, the seed's flags
   kept, ``--auto-cast=none`` / ``-O1`` / ``--verbose=35`` appended when absent; a list raises ``TypeError``.
-- ``trace`` deletes ``compiler_workdir`` first (~545), builds every key's module from its instance
-  (``load_module()`` then ``get(0)``), traces each rank ahead of time in this process (collectives only produce
-  shapes, as under ``mock_distributed``), writes each graph's compiler log under ``<workdir>/<key>/_tp0_bk0/``
-  with the ``--logfile`` the real one adds (~720), and cuts the checkpoint into rank slices along each parallel
-  weight's ``partition_dim``. Only **parameters** are loaded from the checkpoint (buffers keep what ``load_module``
+- ``trace`` deletes ``compiler_workdir`` first (~545), runs each graph's compiler (``_fake_runtime.compile_graph``:
+  in the current directory, which must still exist; its log under ``<workdir>/<key>/_tp0_bk0/`` with the
+  ``--logfile`` the real one adds, ~720), writes every rank's slice of the checkpoint (cut along each parallel weight's
+  ``partition_dim``) into ``<workdir>/tp{rank}_sharded_checkpoint.safetensors`` and loads it back from there
+  (``initialize_model_weights``, ~764-773, ~984), builds every key's module from its instance (``load_module()``
+  then ``get(0)``) and traces each rank ahead of time in this process (collectives only produce shapes, as under
+  ``mock_distributed``). Only **parameters** are loaded from the checkpoint (buffers keep what ``load_module``
   gave them); aliased parameters (the state) start at zero (``StateInitializer``).
 - Every key shares one weight set and one state (the keys' modules must have the same parameters); calls are routed
   by the list of input shapes, a miss is a TorchScript ``ValueError`` (``spmd.py`` ~216); the model must be
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch_neuronx
+from safetensors.torch import load_file, save_file
 from torch_neuronx import _fake_runtime
 
 from neuronx_distributed.parallel_layers import parallel_state
@@ -117,17 +120,25 @@ class ModelBuilder:
 
     def trace(self, initialize_model_weights=True, dry_run=False):
         if os.path.exists(self.compiler_workdir):
-            shutil.rmtree(self.compiler_workdir)
+            shutil.rmtree(self.compiler_workdir)  # ~543-545: the whole folder, whatever it holds, even on a dry run
         if os.environ.get("FAKE_NEURON_COMPILE_ERROR"):
             raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
         model_id = uuid.uuid4().hex
         checkpoint = self.checkpoint_loader()
-        ranks = [self._trace_rank(rank, model_id, checkpoint) for rank in range(self.tp_degree)]
         for key, (_, _, compiler_args) in self.model_collection.items():
             out = Path(self.compiler_workdir) / key / "_tp0_bk0"
-            out.mkdir(parents=True, exist_ok=True)
-            flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"
-            (out / LOG_FILE_DEFAULT_NAME).write_text(f"stand-in neuronx-cc, flags: {flags}\n")
+            out.mkdir(parents=True, exist_ok=True)  # _create_output_dir (~1096-1099): made again as needed
+            flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"  # ~720-722
+            _fake_runtime.compile_graph(out / "model" / "graph.hlo", out / "graph.neff", flags)
+        # ~764-773: with initialize_model_weights, each rank's slice of the checkpoint is written into the workdir
+        # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there.
+        if initialize_model_weights:
+            self._shard_checkpoint(checkpoint)
+            shards = [load_file(os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
+                      for rank in range(self.tp_degree)]
+        else:
+            shards = [None] * self.tp_degree
+        ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
         shapes = {str([list(t.shape) for t in example[0]]): (key, 0)
                   for key, (_, example, _) in self.model_collection.items()}
         executor = torch.jit.script(NxDModelExecutor(torch.jit.script(
@@ -136,8 +147,21 @@ class ModelBuilder:
             executor.nxd_model.initialize_with_saved_weights(torch.tensor(0))
         return executor
 
-    def _trace_rank(self, rank, model_id, checkpoint):
-        """Every key's graph of one rank, over one weight set and one state."""
+    def _shard_checkpoint(self, checkpoint):
+        """``shard_checkpoint(serialize_path)``: every rank's parameters, cut as ``_load_weights`` cuts them, in
+        ``tp{rank}_sharded_checkpoint.safetensors`` (NxD's own file names)."""
+        for rank in range(self.tp_degree):
+            instance = next(iter(self.model_collection.values()))[0]
+            instance.load_module()
+            module, aliases = instance.get(0)
+            states = {id(p) for p in aliases}
+            sliced = {name: _slice(checkpoint, name, param, rank, self.tp_degree).contiguous()
+                      for name, param in module.named_parameters() if id(param) not in states}
+            save_file(sliced, os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
+
+    def _trace_rank(self, rank, model_id, checkpoint, shard):
+        """Every key's graph of one rank, over one weight set and one state (its weights from its sharded
+        checkpoint file when there is one)."""
         parallel_state._set_aot_rank(rank, self.tp_degree, model_id)
         _fake_runtime.set_aot(True)
         try:
@@ -146,8 +170,8 @@ class ModelBuilder:
                 instance.load_module()
                 module, aliases = instance.get(0)
                 if owner is None:
-                    owner = StateGraph(module, aliases)
-                    self._load_weights(owner, checkpoint, rank)
+                    owner = StateGraph(module, aliases, return_aliased=False)
+                    self._load_weights(owner, checkpoint if shard is None else shard, rank, sliced=shard is not None)
                 elif _layout(module, aliases) != _layout(owner.model, dict(zip(owner.states, owner.indices))):
                     raise ValueError(f"key {key!r}: the models of one ModelBuilder must share their weights and state")
                 with torch.no_grad():
@@ -160,9 +184,9 @@ class ModelBuilder:
             _fake_runtime.set_aot(False)
             parallel_state._set_aot_rank(None, None, None)
 
-    def _load_weights(self, graph, checkpoint, rank):
+    def _load_weights(self, graph, checkpoint, rank, sliced=False):
         """Parameters only: each parallel weight's rank slice (equal contiguous chunks along ``partition_dim``),
-        others whole; buffers are never touched."""
+        others whole (``sliced``: ``checkpoint`` is the rank's own sharded file); buffers are never touched."""
         states = {id(p) for p in graph.states}
         with torch.no_grad():
             for name, param in graph.model.named_parameters():
@@ -170,12 +194,16 @@ class ModelBuilder:
                     continue
                 if name not in checkpoint:
                     raise KeyError(f"checkpoint has no weight {name}")
-                full = checkpoint[name]
-                dim = getattr(param, "partition_dim", None)
-                part = full if dim is None else torch.split(full, full.shape[dim] // self.tp_degree, dim)[rank]
+                part = checkpoint[name] if sliced else _slice(checkpoint, name, param, rank, self.tp_degree)
                 if tuple(part.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: checkpoint slice {list(part.shape)}, model {list(param.shape)}")
                 param.copy_(part.to(param.dtype))
+
+
+def _slice(checkpoint, name, param, rank, tp_degree):
+    full = checkpoint[name]
+    dim = getattr(param, "partition_dim", None)
+    return full if dim is None else torch.split(full, full.shape[dim] // tp_degree, dim)[rank]
 
 
 def _layout(module, aliases):

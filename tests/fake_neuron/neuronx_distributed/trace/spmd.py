@@ -7,7 +7,7 @@
   (``SPMDBucketModelScript.forward`` ~35). Initialisation lives in the process (the stand-in runtime), not in the
   saved file, as the real ``SPMDModel`` objects' does.
 - Every rank runs at once (``torch.jit.fork``), sharing collectives through the stand-in runtime; the result is
-  rank 0's list of non-aliased outputs (the packer's list).
+  rank 0's list of non-aliased outputs (ModelBuilder's packer's list).
 """
 
 
@@ -19,9 +19,12 @@ class StateGraph(torch.nn.Module):
     """What the stand-in's compiler makes of a module and its ``{parameter: output index}`` aliases (both trace
     paths): the aliased parameters become ``states.N`` in the alias dict's insertion order (torch-neuronx takes
     ``tuple(input_output_aliases.keys())``), written back after each call as the runtime's input-output aliasing
-    does, and aliased outputs are not returned (ModelBuilder compiles with ``output_aliased_tensor=False``)."""
+    does. ``return_aliased``: the aliased outputs are returned too, each a tensor of its own (the runtime hands back
+    every output buffer): ``parallel_model_trace``'s graphs, whose metaneff lists every output (torch-neuronx 1.x
+    ``hlo_metaneff``). ModelBuilder's packer leaves them out (NxD v2.28.0 model_builder.py ~1026-1032: only outputs
+    not in ``metaneff.output_aliases_to``; it traces with ``output_aliased_tensor=False``, ~889-896)."""
 
-    def __init__(self, model, aliases):
+    def __init__(self, model, aliases, return_aliased: bool):
         super().__init__()
         own = {id(p) for p in model.parameters()}
         for param in aliases:
@@ -30,11 +33,14 @@ class StateGraph(torch.nn.Module):
         self.states = torch.nn.ParameterList(list(aliases))
         self.indices = list(aliases.values())
         self.model = model
+        self.return_aliased = return_aliased
 
     def forward(self, *inputs):
         outs = self.model(*inputs)
         for state, index in zip(self.states, self.indices):
             state.copy_(outs[index])
+        if self.return_aliased:
+            return tuple(out if i not in self.indices else out.clone() for i, out in enumerate(outs))
         kept = [out for i, out in enumerate(outs) if i not in self.indices]
         return kept[0] if len(kept) == 1 else tuple(kept)
 

@@ -9,9 +9,12 @@ the pipeline depends on:
   stand-in's process group is gloo on that port, so collectives run for real while tracing, and two traces at once
   collide on the port as the real ones do.
 - Aliased parameters become the rank's ``states.N`` parameters in the alias dict's insertion order; after each call
-  the aliased outputs are written back into them (the runtime's input-output aliasing) and not returned.
-- The compiler's log is written to the current directory (issue #13; the only public copy of torch-neuronx's trace,
-  older than 2.28, runs neuronx-cc without ``--logfile``), the rank's graph under ``compiler_workdir/_tp<rank>/``.
+  the aliased outputs are written back into them (the runtime's input-output aliasing), and still returned: every
+  output of the graph, aliased or not, is in its metaneff and the packer returns them all (the only public copy of
+  torch-neuronx's trace, 1.x: ``hlo_metaneff`` lists every result, ``forward`` returns ``self.packer(result)``).
+- The compiler (``_fake_runtime.compile_graph``) runs in the current directory, which must exist, and logs its command
+  there (issue #13; the 1.x copy runs neuronx-cc without ``--logfile``); the rank's graph goes under
+  ``compiler_workdir/_tp<rank>/``.
 - ``TensorParallelNeuronModel`` loads itself on its first forward (``_load``: the cores, then
   ``torch_neuronx.move_trace_to_device`` per rank, which replaces the ``states.N`` parameters), runs every rank in a
   thread pool and returns the result of the rank that finished first (``results[0]`` of ``as_completed``).
@@ -94,20 +97,20 @@ def _trace_rank(rank, func, example_inputs, compiler_workdir, compiler_args, tp_
         torch.distributed.init_process_group("gloo", init_method="env://", rank=rank, world_size=tp_degree,
                                              timeout=datetime.timedelta(seconds=120))
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree)
-        with open(LOG_NAME, "a") as log:  # into the current directory, see the module docstring
-            log.write(f"stand-in neuronx-cc, rank {rank}, args: {compiler_args}\n")
-            if os.environ.get("FAKE_NEURON_COMPILE_ERROR"):
+        out = pathlib.Path(compiler_workdir) / f"_tp{rank}"
+        _fake_runtime.compile_graph(out / "graph.hlo", out / "graph.neff", compiler_args)  # the log: cwd, no --logfile
+        if os.environ.get("FAKE_NEURON_COMPILE_ERROR"):
+            with open(LOG_NAME, "a") as log:
                 log.write(f"ERROR: {os.environ['FAKE_NEURON_COMPILE_ERROR']}\n")
-                raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
+            raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
         model, aliases = _get_model_shard(func)
-        wrapper = StateGraph(model, aliases)
+        wrapper = StateGraph(model, aliases, return_aliased=True)
         initial = [state.detach().clone() for state in wrapper.states]
         with torch.no_grad():
             traced = torch.jit.trace(wrapper, tuple(example_inputs), check_trace=False)
             for (_, state), value in zip(sorted(((int(n.split(".")[1]), p) for n, p in traced.named_parameters()
                                                  if n.startswith("states.")), key=lambda item: item[0]), initial):
                 state.copy_(value)  # tracing ran the example through the state; the compiled graph starts clean
-        out = pathlib.Path(compiler_workdir) / f"_tp{rank}"
         out.mkdir(parents=True, exist_ok=True)
         torch.jit.save(traced, str(out / "graph.pt"))
         queue.put(("ok", rank, str(out / "graph.pt")))
@@ -138,7 +141,8 @@ def parallel_model_trace(
         raise NotImplementedError("the stand-in traces non-SPMD models without buckets or external states")
     ctx = multiprocessing.get_context("spawn")
     os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "2022"
+    # 2022 as in the real one; the tests' harness moves it per pytest-xdist worker (tests/fake_sdk.py:trace_port)
+    os.environ["MASTER_PORT"] = os.environ.get("FAKE_NEURON_TRACE_PORT", "2022")
     os.environ["WORLD_SIZE"] = str(tp_degree)
     workdir = compiler_workdir if compiler_workdir is not None else "/tmp/trace_compiler_workdir/"
     logging.warning("Using non SPMD mode. Set spmd_mode=True if the workload is SPMD for a faster trace. Tracing in "

@@ -1,0 +1,104 @@
+"""Sampling for ``serve``: the next token chosen on the host from the decode step's logits, as OpenAI's API asks.
+
+The compiled graphs return the full fp32 logits row of every step (validation compares them), so sampling needs no
+other graph: ``Sampler.choose`` is given the row and returns the token, which the next decode step is fed.
+
+- ``temperature`` 0 (or omitted) is greedy: the argmax, the text validation checked. Above 0 the logits are divided
+  by it and a token is drawn from their softmax, restricted to the smallest set of most likely tokens whose
+  probabilities reach ``top_p`` (nucleus sampling).
+- ``presence_penalty`` and ``frequency_penalty`` lower the logit of every token already generated in this request
+  (once, and once per occurrence: OpenAI's definition), before the choice.
+- ``seed`` makes a request reproducible: one ``torch.Generator`` per request, seeded with it, is the only source of
+  randomness (the same request with the same seed gives the same text, on the same build). Without a seed, one is
+  drawn from the operating system.
+- ``logprobs``: the log-probabilities of the chosen token and of the ``top_logprobs`` most likely ones, from the
+  model's own distribution at that step (the log-softmax of the logits, before temperature, penalties and top_p), so
+  they read the same whatever the sampling settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (completions: 5)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int | None = None
+    """None: no log-probabilities; 0: the chosen token's; N: and the N most likely tokens'."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+class Sampler:
+    """One request's choices, in order; ``choose`` is called once per step, from the decode thread."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+        self.counts: Counter[int] = Counter()
+        self.logprobs: list[TokenLogprob] = []
+
+    def choose(self, logits: torch.Tensor) -> int:
+        p = self.params
+        raw = logits.detach().float().view(-1)
+        scores = self._penalized(raw)
+        if p.greedy:
+            token = int(torch.argmax(scores))
+        else:
+            probs = torch.softmax(scores / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                probs = nucleus(probs, p.top_p)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.counts[token] += 1
+        if p.top_logprobs is not None:
+            self.logprobs.append(token_logprob(raw, token, p.top_logprobs))
+        return token
+
+    def _penalized(self, raw: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if not self.counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+            return raw
+        scores = raw.clone()
+        tokens = torch.tensor(list(self.counts), dtype=torch.long)
+        counts = torch.tensor([self.counts[t] for t in self.counts], dtype=scores.dtype)
+        scores[tokens] -= p.frequency_penalty * counts + p.presence_penalty
+        return scores
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` kept on the smallest set of most likely tokens whose total reaches ``top_p`` (at least one),
+    renormalized."""
+    ordered, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered  # the mass of the tokens ahead of each
+    keep = before < top_p
+    keep[0] = True
+    kept = torch.zeros_like(probs)
+    kept[order[keep]] = ordered[keep]
+    return kept / kept.sum()
+
+
+def token_logprob(raw: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    logprobs = torch.log_softmax(raw, dim=-1)
+    best = torch.topk(logprobs, top).indices.tolist() if top else []
+    return TokenLogprob(token, float(logprobs[token]), tuple((t, float(logprobs[t])) for t in best))

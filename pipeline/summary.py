@@ -1,0 +1,95 @@
+"""One summary at the end of a multirun (``make demo`` is one): a row per variant, and an exit status that says
+whether every variant was built.
+
+Each job of ``python -m pipeline --multirun ...`` records its outcome in ``outcome.json`` in its own output folder
+(``hydra.sweep.dir/<job number>/``; every launcher gives a job one, on a shared file system for Slurm): the variant,
+whether it succeeded, its error, and what its records say (parity, decode tokens/s, time to first token, the version
+and where it was published). A job that fails no longer stops the sweep: the others still run. Once every job has
+ended, ``MultirunSummary`` (a Hydra callback, conf/config.yaml ``hydra.callbacks``) logs the table and exits 1 naming
+the variants that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger("pipeline")
+OUTCOME = "outcome.json"
+
+
+def outcome(cfg, error: str | None) -> dict[str, Any]:
+    """What one job of a multirun did, from the variant's records (absent ones left out)."""
+    from pipeline.core.fsutil import read_json
+    from pipeline.paths import Paths
+
+    row: dict[str, Any] = {"variant": cfg.variant.name if cfg.variant else None, "ok": error is None,
+                           "error": error}
+    if cfg.variant is None:
+        return row
+    paths = Paths.of(cfg)
+    for name, path in (("validation", paths.validation_report), ("receipt", paths.receipt)):
+        try:
+            record = read_json(path)
+        except (OSError, ValueError):
+            continue
+        if name == "validation":
+            row.update(parity=record["parity"]["passed"], tokens_per_s=record["throughput"]["tokens_per_s"],
+                       ttft_ms=record["throughput"]["ttft_ms"], version=record["version"])
+        else:
+            row.update(version=record["version"], published=f"{record['repo']} @ {record['commit'][:12]}")
+    return row
+
+
+def write(folder: Path, row: dict[str, Any]) -> None:
+    from pipeline.core.fsutil import atomic_write_json
+
+    atomic_write_json(Path(folder) / OUTCOME, row)
+
+
+def read_all(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(Path(sweep_dir).glob(f"*/{OUTCOME}"), key=lambda p: int(p.parent.name)
+                       if p.parent.name.isdigit() else 0):
+        try:
+            rows.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cell(row, key, fmt="{}"):
+        value = row.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    lines = [f"  {'variant':<22} {'result':<7} {'parity':<7} {'tok/s':>7} {'TTFT ms':>8}  {'version':<44} published"]
+    for row in rows:
+        parity = "-" if row.get("parity") is None else ("pass" if row["parity"] else "FAIL")
+        lines.append(f"  {cell(row, 'variant'):<22} {'ok' if row['ok'] else 'FAILED':<7} {parity:<7} "
+                     f"{cell(row, 'tokens_per_s', '{:.1f}'):>7} {cell(row, 'ttft_ms', '{:.0f}'):>8}  "
+                     f"{cell(row, 'version'):<44} {cell(row, 'published')}")
+    return "\n".join(lines)
+
+
+class MultirunSummary(Callback):
+    """Logs the table once every job of a multirun has ended; exits 1 naming the variants that failed."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        # The sweep's own configuration: its ${now:...} resolves as it did for the jobs (Hydra caches the resolver).
+        rows = read_all(Path(str(config.hydra.sweep.dir)))
+        if not rows:
+            return
+        failed = [r for r in rows if not r["ok"]]
+        log.info("multirun: %d variant(s), %d succeeded, %d failed:\n%s", len(rows),
+                 len(rows) - len(failed), len(failed), table(rows))
+        if failed:
+            for row in failed:
+                log.error("multirun: %s failed: %s", row["variant"], row["error"])
+            # SystemExit: Hydra turns a callback's Exception into a warning and carries on.
+            raise SystemExit(f"multirun: {len(failed)} of {len(rows)} variant(s) failed: "
+                             + ", ".join(str(r["variant"]) for r in failed))

@@ -1,0 +1,296 @@
+"""A hostile repository, as a consumer meets it: every name it supplies is checked before it becomes a path, a file is
+only ever created inside a folder the command made, and a published archive is verified before it is taken as
+published (docs/reliability.md, "Hostile inputs").
+
+The repositories here are copies of a real publish folder (tests/conftest.py ``validated_512_fp32``) with one
+hostile commit on top, made with git as an attacker with write access to the repository would make it, or an
+in-memory source standing for a Hub whose listing says what a test wants.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.artifact import archive as archive_module
+from pipeline.artifact.manifest import Manifest
+from pipeline.cli.pull import LocalSource, manifest_beside, pull
+from pipeline.core.errors import DiskFullError, IntegrityError, PipelineError, PublishError
+from pipeline.core.fsutil import sha256_file
+from pipeline.core.log import redact
+from pipeline.core.names import child, component_problem, repo_path
+from pipeline.paths import Paths
+from pipeline.publishing.localrepo import LocalRepo
+
+from .helpers import FAST_VALIDATE, config, run
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT = "512_fp32"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=attacker", "-c", "user.email=a@example.com", *args], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def published_copy(built: Path, dst: Path) -> tuple[Path, str]:
+    """A copy of ``built``'s publish folder and the version it holds."""
+    shutil.copytree(built / "published", dst)
+    version = Manifest.read(Paths(built, "gemma4_tiny", VARIANT).manifest).version
+    return dst, version
+
+
+def hostile_commit(repo: Path, version: str, edit) -> None:
+    """Commit ``edit(manifest dict)`` as the variant's manifest, unsigned, and move the version's tag to it."""
+    git(repo, "checkout", "-q", "main")
+    path = repo / VARIANT / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (repo / VARIANT / "manifest.sig").unlink(missing_ok=True)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "hostile")
+    git(repo, "tag", "-f", version, "HEAD")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+# -- the names ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "a\\b", "/abs", ".hidden", "-rf", "nul\0x", "cr\rx",
+                                  "x" * 256, "del\x7f"])
+def test_a_name_that_is_not_one_plain_component_is_refused(name, tmp_path):
+    assert component_problem(name)
+    with pytest.raises(IntegrityError, match="is not a plain file name|leads outside"):
+        child(tmp_path, name, "a name")
+
+
+def test_plain_names_pass_and_stay_inside(tmp_path):
+    for name in ("gemma4_tiny-512_fp32-cpu-torch2.13.0-0123abcd.tar.zst", "tp_0.pt", "é", "a b"):
+        assert child(tmp_path, name, "a name") == tmp_path / name
+    assert repo_path("512_fp32/manifest.json", "a path") == "512_fp32/manifest.json"
+    with pytest.raises(IntegrityError):
+        repo_path("512_fp32/../../x", "a path")
+    (tmp_path / "link").symlink_to("/etc")  # a name that is plain, but a link already there leads elsewhere
+    with pytest.raises(IntegrityError, match="'link' leads outside"):
+        child(tmp_path, "link", "a name")
+
+
+# -- pull -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["pull", "serve"])
+def test_a_manifests_archive_name_cannot_reach_outside_dest(validated_512_fp32, tmp_path, command):
+    """The reported attack: archive.name '../../../../../../<dir>/VICTIM.txt' in an unsigned manifest, the tag moved
+    to it; pull emptied and removed that file. Now the manifest is refused and the file is untouched."""
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    victim = tmp_path / "x" / "VICTIM.txt"
+    victim.parent.mkdir()
+    victim.write_text("precious")
+    hostile_commit(repo, version, lambda m: m["archive"].update(name="../" * 12 + str(victim).lstrip("/")))
+    dest = tmp_path / "dest"
+    if command == "pull":
+        proc = cli("pull", str(repo), VARIANT, "--dest", str(dest), "--allow-unsigned")
+    else:
+        proc = cli("serve", str(repo), VARIANT, "--dest", str(dest), "--allow-unsigned", "--port", "0",
+                   "--checkpoint", str(validated_512_fp32 / "gemma4_tiny" / "weights"))
+    assert proc.returncode == 1, proc.stderr
+    assert "archive.name" in proc.stderr and "must be a plain file name" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in dest.iterdir()) == []  # nothing left, not even the work folder
+
+
+@pytest.mark.parametrize("field,value", [("root", "../escaped"), ("root", ".hidden"), ("name", "a/b.tar.zst"),
+                                         ("name", "x.zip")])
+def test_every_name_a_manifest_gives_is_checked(validated_512_fp32, tmp_path, field, value):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    hostile_commit(repo, version, lambda m: m["archive"].update({field: value}))
+    with pytest.raises(IntegrityError, match=f"archive.{field}"):
+        pull(LocalSource(repo), version, tmp_path / "dest", None, True)
+    assert not (tmp_path / "escaped").exists()
+
+
+class ListingSource:
+    """A repository (a Hub, say) whose listing and files say whatever the test wants; it records every fetch."""
+
+    def __init__(self, real: LocalSource, version: str, extra_files: list[str]):
+        self.real, self.version, self.extra, self.name = real, version, extra_files, "a hostile listing"
+        self.fetched: list[str] = []
+
+    def tags(self):
+        return self.real.tags()
+
+    def head(self):
+        return self.real.head()
+
+    def files(self, commit):
+        return self.extra + self.real.files(commit)
+
+    def fetch(self, commit, path, dest):
+        self.fetched.append(path)
+        self.real.fetch(commit, path, dest)
+
+
+def test_folders_of_a_hostile_listing_are_never_read_or_written(validated_512_fp32, tmp_path, caplog):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    hostile = ["../../outside/manifest.json", "..\\x/manifest.json", ".git/manifest.json", "-n/manifest.json"]
+    source = ListingSource(LocalSource(repo), version, hostile)
+    target = pull(source, version, tmp_path / "dest", None, True)
+    assert target.parent == tmp_path / "dest"
+    assert all(path.startswith(f"{VARIANT}/") for path in source.fetched), source.fetched
+    assert "the repository's listing names a folder '..\\\\x'" in caplog.text
+    assert not (tmp_path / "outside").exists()
+
+
+def test_checking_out_a_file_never_opens_an_existing_one(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    local = LocalRepo(repo)
+    victim = tmp_path / "VICTIM.txt"
+    victim.write_text("precious")
+    with pytest.raises(FileExistsError):
+        local.checkout_file(version, f"{VARIANT}/manifest.json", victim)
+    with pytest.raises(FileExistsError):  # and a path git would refuse does not remove it either
+        local.checkout_file(version, f"{VARIANT}/no-such-file", victim)
+    assert victim.read_text() == "precious"
+    missing = tmp_path / "new.json"
+    with pytest.raises(PipelineError, match="is not in"):
+        local.checkout_file(version, f"{VARIANT}/no-such-file", missing)
+    assert not missing.exists()  # what it created, it removed
+
+
+def test_dest_that_is_a_file_is_refused_by_name(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    dest = tmp_path / "a-file"
+    dest.write_text("not a folder")
+    proc = cli("pull", str(repo), version, "--dest", str(dest), "--allow-unsigned")
+    assert proc.returncode == 1
+    assert f"--dest {dest} is a file: give a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert dest.read_text() == "not a folder"
+
+
+def test_a_full_destination_is_named_not_blamed_on_the_archive(validated_512_fp32, tmp_path, monkeypatch):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+
+    def no_room(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(archive_module, "_write_member", no_room)
+    dest = tmp_path / "dest"
+    with pytest.raises(DiskFullError, match=r"pull .*: out of space writing .*dest \(No space left on device\)"):
+        pull(LocalSource(repo), version, dest, None, True)
+    assert sorted(dest.iterdir()) == []
+
+
+@pytest.mark.parametrize("moment", ["unpacking", "just after the rename"])
+def test_an_interrupted_pull_leaves_nothing_or_a_complete_version(validated_512_fp32, tmp_path, monkeypatch, moment):
+    """Ctrl-C at any moment: either no rank directory, or one with its manifest beside it (the rename of the verified
+    directory is the step that makes it visible, and its manifest is already there)."""
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    root = Manifest.read(Paths(validated_512_fp32, "gemma4_tiny", VARIANT).manifest).archive.root
+    real_replace = archive_module.os.replace
+
+    def interrupted_replace(src, dst):  # os.replace everywhere: only the rank directory's rename is interrupted
+        if Path(dst).name != root:
+            return real_replace(src, dst)
+        if moment == "just after the rename":
+            real_replace(src, dst)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(archive_module.os, "replace", interrupted_replace)
+    dest = tmp_path / "dest"
+    with pytest.raises(KeyboardInterrupt):
+        pull(LocalSource(repo), version, dest, None, True)
+    monkeypatch.undo()
+    left = sorted(p.name for p in dest.iterdir())
+    if moment == "unpacking":
+        assert left == []
+    else:
+        assert left == [root, root + ".manifest.json"]
+        assert Manifest.read(manifest_beside(dest / root)).version == version
+    assert pull(LocalSource(repo), version, dest, None, True) == dest / root  # the rerun completes or verifies
+
+
+# -- publish over a published version -------------------------------------------------------------------------------
+
+def corrupt_published_archive(repo: Path, version: str, archive_name: str) -> None:
+    """Replace the published archive's bytes in a new commit, and move the tag there (the manifest unchanged)."""
+    git(repo, "checkout", "-q", "main")
+    path = repo / VARIANT / archive_name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    git(repo, "commit", "-q", "-am", "corrupt")
+    git(repo, "tag", "-f", version, "HEAD")
+
+
+def test_republishing_over_a_corrupt_archive_repairs_it(validated_512_fp32, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(validated_512_fp32, root, ignore=shutil.ignore_patterns("logs", ".locks"))
+    cfg = config(root, *FAST_VALIDATE, "force=true")
+    manifest = Manifest.read(Paths.of(cfg).manifest)
+    corrupt_published_archive(root / "published", manifest.version, manifest.archive.name)
+    corrupt_tag = LocalRepo(root / "published").tag_commit(manifest.version)
+    result = [r for r in run(cfg, "publish") if r.stage == "publish"][0]
+    assert result.details["repaired"] and result.status == "ran"
+    repaired = LocalRepo(root / "published").tag_commit(manifest.version)
+    assert repaired != corrupt_tag
+    assert LocalRepo(root / "published").file_digest(repaired, f"{VARIANT}/{manifest.archive.name}") == (
+        manifest.archive.size, manifest.archive.sha256)
+    again = [r for r in run(cfg, "publish") if r.stage == "publish"][0]  # now verified: nothing to do
+    assert again.status == "skipped" and not again.details["repaired"]
+    pulled = pull(LocalSource(root / "published"), manifest.version, tmp_path / "dest", None, True)
+    assert sorted(sha256_file(p) for p in pulled.iterdir()) == sorted(m.sha256 for m in manifest.members)
+
+
+@pytest.mark.parametrize("case", ["other bytes", "head moved on"])
+def test_a_corrupt_archive_that_cannot_be_restored_is_refused_by_name(validated_512_fp32, tmp_path, case):
+    root = tmp_path / "artifacts"
+    shutil.copytree(validated_512_fp32, root, ignore=shutil.ignore_patterns("logs", ".locks"))
+    cfg = config(root, *FAST_VALIDATE, "force=true")
+    manifest = Manifest.read(Paths.of(cfg).manifest)
+    repo = root / "published"
+    if case == "other bytes":  # published: the same rank files in other archive bytes (another zstd?), then damaged
+        hostile_commit(repo, manifest.version, lambda m: m["archive"].update(sha256="f" * 64))
+        expected = r"has \d+ bytes and sha256 .* cannot restore them\. Refused"
+    else:  # the archive damaged at the tag, and the head now holds another version of the variant
+        corrupt_published_archive(repo, manifest.version, manifest.archive.name)
+        git(repo, "checkout", "-q", "main")
+        edited = json.loads((repo / VARIANT / "manifest.json").read_text()) | {"version": f"{VARIANT}-later"}
+        (repo / VARIANT / "manifest.json").write_text(json.dumps(edited))
+        git(repo, "commit", "-q", "-am", "a later version")
+        expected = rf"the head now holds {VARIANT}-later of {VARIANT}: restoring it there would roll the head back"
+    before = git(repo, "rev-list", "--all"), git(repo, "tag")
+    with pytest.raises(PublishError, match=rf"{manifest.version} is published with a corrupt archive .*{expected}"):
+        run(cfg, "publish")
+    assert (git(repo, "rev-list", "--all"), git(repo, "tag")) == before
+
+
+# -- what a server says ---------------------------------------------------------------------------------------------
+
+def test_secrets_in_a_servers_words_are_redacted_from_messages_and_logs(caplog):
+    from pipeline.publishing import hub
+
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"
+
+    class Refusal(Exception):
+        response = type("R", (), {"status_code": 401})()
+
+    said, _ = hub.explain(Refusal(f"401 for Authorization: Bearer {token}; body {{\"token\": \"{token}\"}}"), "o/r")
+    assert token not in said and "[REDACTED]" in said
+    import logging
+
+    logging.getLogger("pipeline").warning("server said %s", f"token={token}")
+    from pipeline.core.log import Formatter
+
+    assert all(token not in Formatter().format(r) for r in caplog.records)
+    for harmless in ("max_tokens=16", "no Hugging Face token: set HF_TOKEN", "hf_hub_download failed"):
+        assert redact(harmless) == harmless
