@@ -59,7 +59,44 @@ def render(manifests: list[Manifest], repo_id: str, source: str | None = None) -
     base = next((m.model.hub_id for m in manifests if m.model.hub_id), None)
     if base is None:
         return demo_card(manifests, repo_id)
+    return model_card(base, manifests, usage(example, source or repo_id))
+
+
+def model_card(base: str, manifests: list[Manifest], usage_block: str) -> str:
+    """The card of builds of the Hub model ``base``: what they are, a row per version, how to use them."""
     rows = "\n".join(_row(m) for m in manifests)
+    return f"""{_model_intro(base)}
+
+## Versions
+
+{HEADER}
+{rows}
+
+Throughput is measured on the hardware named in each `manifest.json` (`validation.hardware`); tok/s is decode speed
+at the slowest context length, and cpu-backend rows come from the reference backend, not from Inferentia2.
+
+## Use a version
+
+With a checkout of the pipeline (on an inf2 host, with its `[neuron]` extra) and the base checkpoint, which supplies
+the tokenizer and the embedding tables the host looks up:
+
+{usage_block}
+
+`pull` resolves the tag to a commit once, downloads the manifest, its signature and the archive at that commit,
+verifies every checksum (and the signature, with the publisher's public key), unpacks the files into a directory
+holding nothing else and prints its path. neuronx-distributed loads it as it is: `parallel_model_load(dir)` for
+`per_rank`, or `torch.jit.load(dir + "/model.pt")` then `.nxd_model.initialize_with_saved_weights(torch.tensor(0))`
+for `nxd_model`. `generate` verifies it again against the manifest beside it and runs it. Versions are never moved
+once published; if you copy files by hand, pin the commit all the same.
+
+## License
+
+The artifacts contain the weights of `{base}` and are distributed under Apache-2.0 with attribution to Google.
+"""
+
+
+def _model_intro(base: str) -> str:
+    """The card's metadata, title and what a version folder holds (the text before its versions)."""
     return f"""---
 license: apache-2.0
 base_model: {base}
@@ -86,34 +123,7 @@ files, its `manifest.json` (checksums of every file, compiler and its exact argu
 the float reference, decode tokens/s and time to first token per context length, peak memory). The files column says
 what each archive holds: one file per NeuronCore (`tp_0.pt`, `tp_1.pt`: layout `per_rank`, neuronx-distributed's
 `parallel_model_trace`), or one `model.pt` (layout `nxd_model`, the ModelBuilder executor with the prefill and
-decode graphs and every rank's weights).
-
-## Versions
-
-{HEADER}
-{rows}
-
-Throughput is measured on the hardware named in each `manifest.json` (`validation.hardware`); tok/s is decode speed
-at the slowest context length, and cpu-backend rows come from the reference backend, not from Inferentia2.
-
-## Use a version
-
-With a checkout of the pipeline (on an inf2 host, with its `[neuron]` extra) and the base checkpoint, which supplies
-the tokenizer and the embedding tables the host looks up:
-
-{usage(example, source or repo_id)}
-
-`pull` resolves the tag to a commit once, downloads the manifest, its signature and the archive at that commit,
-verifies every checksum (and the signature, with the publisher's public key), unpacks the files into a directory
-holding nothing else and prints its path. neuronx-distributed loads it as it is: `parallel_model_load(dir)` for
-`per_rank`, or `torch.jit.load(dir + "/model.pt")` then `.nxd_model.initialize_with_saved_weights(torch.tensor(0))`
-for `nxd_model`. `generate` verifies it again against the manifest beside it and runs it. Versions are never moved
-once published; if you copy files by hand, pin the commit all the same.
-
-## License
-
-The artifacts contain the weights of `{base}` and are distributed under Apache-2.0 with attribution to Google.
-"""
+decode graphs and every rank's weights)."""
 
 
 def demo_card(manifests: list[Manifest], repo_id: str) -> str:

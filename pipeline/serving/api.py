@@ -531,152 +531,177 @@ class CountRequests:
 
 
 def create_app(service: Service) -> FastAPI:
+    """The app serving ``service``: its error handlers, the request counter and the routes below, which find the
+    service as ``request.app.state.service``."""
     app = FastAPI(title="gemma4-neuron-pipeline serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-
-    @app.exception_handler(Refused)
-    async def refused(_: Request, exc: Refused) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(InputError)
-    async def input_error(_: Request, exc: InputError) -> JSONResponse:
-        return Refused(400, str(exc)).response()
-
+    app.add_exception_handler(Refused, refused)
+    app.add_exception_handler(InputError, input_error)
     app.add_middleware(CountRequests, counter=service.metrics.requests)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        body = {"status": service.state, "version": service.engine.version}
-        if service.problem:
-            body["error"] = service.problem
-        return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        manifest = service.engine.manifest
-        return {"object": "list", "data": [{"id": service.engine.version, "object": "model",
-                                            "created": 0, "owned_by": manifest.model.name}]}
-
-    async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, tuple[str, ...]]:
-        """A chat or completion request's body, checked; the engine, ready and serving its model; its stops."""
-        body = await parse(request, kind, service.max_request_bytes)
-        engine = service.require_ready(body.model)
-        check_sampling(body)
-        return body, engine, stops_of(body.stop)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        arrived = time.perf_counter()
-        body, engine, stops = await accept(request, ChatRequest)
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise Refused(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        messages = [m.as_template_input() for m in body.messages]
-        ids = await service.ids([m["content"] for m in messages], lambda: engine.chat_ids(messages), "messages")
-        max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = service.prepare(ids, body.max_tokens or body.max_completion_tokens, "messages", max_field)
-        sampling = body.sampling(body.asked_logprobs())
-        reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": reply_id, "created": created, "model": engine.version}
-        if not body.stream:
-            out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
-            return {**head, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": out.text},
-                "logprobs": chat_logprobs(engine, out.logprobs, sampling), "finish_reason": out.finish_reason}],
-                "usage": usage(out.prompt_tokens, out.completion_tokens)}
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
-            logprobs = chat_logprobs(engine, [logprob], sampling) if logprob else None
-            return sse({**head, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
-
-        decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
-
-        async def events() -> AsyncIterator[str]:
-            yield chunk({"role": "assistant", "content": ""}, None)
-            async for item in stream_items(decoding):
-                if isinstance(item, str):
-                    yield item  # an error after the stream began
-                elif isinstance(item, Piece):  # one event per token, its text possibly held back
-                    yield chunk({"content": item.text}, None, item.logprob)
-                else:
-                    if item.text:
-                        yield chunk({"content": item.text}, None)
-                    yield chunk({}, item.reason)
-                    if include_usage:
-                        yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                                   "usage": usage(len(ids), item.completion_tokens)})
-            yield sse("[DONE]")
-
-        return streaming(events())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        arrived = time.perf_counter()
-        body, engine, stops = await accept(request, CompletionRequest)
-        if isinstance(body.prompt, list):
-            if len(body.prompt) != 1:
-                raise Refused(400, f"{len(body.prompt)} prompts: one prompt per request (the graphs are batch 1)",
-                              "prompt")
-            prompt = body.prompt[0]
-        else:
-            prompt = body.prompt
-        ids = await service.ids([prompt], lambda: engine.text_ids(prompt), "prompt")
-        max_tokens = service.prepare(ids, body.max_tokens, "prompt")
-        sampling = body.sampling(body.asked_logprobs())
-        reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
-        if not body.stream:
-            out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
-            return {**head, "choices": [{"index": 0, "text": out.text,
-                                         "logprobs": completion_logprobs(engine, out.logprobs, sampling),
-                                         "finish_reason": out.finish_reason}],
-                    "usage": usage(out.prompt_tokens, out.completion_tokens)}
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        offset = [0]  # characters streamed so far: each event's logprobs carry their text_offset
-
-        def chunk(text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
-            logprobs = completion_logprobs(engine, [logprob], sampling, offset[0]) if logprob else None
-            offset[0] += len(text)
-            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish}]})
-
-        decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
-
-        async def events() -> AsyncIterator[str]:
-            async for item in stream_items(decoding):
-                if isinstance(item, str):
-                    yield item
-                elif isinstance(item, Piece):  # one event per token, its text possibly held back
-                    yield chunk(item.text, None, item.logprob)
-                else:
-                    yield chunk(item.text, item.reason)
-                    if include_usage:
-                        yield sse({**head, "choices": [], "usage": usage(len(ids), item.completion_tokens)})
-            yield sse("[DONE]")
-
-        return streaming(events())
-
-    @app.post("/generate")
-    async def generate(request: Request) -> dict:
-        arrived = time.perf_counter()
-        body = await parse(request, GenerateRequest, service.max_request_bytes)
-        engine = service.require_ready(None)
-        messages = [{"role": "user", "content": body.prompt}]
-        ids = await service.ids([body.prompt], lambda: engine.chat_ids(messages), "prompt")
-        max_tokens = service.prepare(ids, body.max_tokens, "prompt")
-        out = await service.complete(request, ids, max_tokens, (), arrived)
-        steps = out.completion_tokens - 1
-        return {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
-                "new_tokens": out.completion_tokens,
-                "ttft_ms": round(out.ttft_s * 1e3, 1) if out.ttft_s is not None else None,
-                "tokens_per_s": round(steps / out.decode_s, 1) if steps > 0 and out.decode_s else None}
-
+    app.get("/health")(health)
+    app.get("/metrics")(metrics)
+    app.get("/v1/models")(models)
+    app.post("/v1/chat/completions")(chat)
+    app.post("/v1/completions")(completions)
+    app.post("/generate")(generate)
     return app
+
+
+async def refused(_: Request, exc: Refused) -> JSONResponse:
+    return exc.response()
+
+
+async def input_error(_: Request, exc: InputError) -> JSONResponse:
+    return Refused(400, str(exc)).response()
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def health(request: Request) -> JSONResponse:
+    service = service_of(request)
+    body = {"status": service.state, "version": service.engine.version}
+    if service.problem:
+        body["error"] = service.problem
+    return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+
+
+async def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(generate_latest(service_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict:
+    engine = service_of(request).engine
+    manifest = engine.manifest
+    return {"object": "list", "data": [{"id": engine.version, "object": "model",
+                                        "created": 0, "owned_by": manifest.model.name}]}
+
+
+async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, tuple[str, ...]]:
+    """A chat or completion request's body, checked; the engine, ready and serving its model; its stops."""
+    service = service_of(request)
+    body = await parse(request, kind, service.max_request_bytes)
+    engine = service.require_ready(body.model)
+    check_sampling(body)
+    return body, engine, stops_of(body.stop)
+
+
+def include_usage(body: OpenAIRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def chat(request: Request):
+    arrived = time.perf_counter()
+    service = service_of(request)
+    body, engine, stops = await accept(request, ChatRequest)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise Refused(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    messages = [m.as_template_input() for m in body.messages]
+    ids = await service.ids([m["content"] for m in messages], lambda: engine.chat_ids(messages), "messages")
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = service.prepare(ids, body.max_tokens or body.max_completion_tokens, "messages", max_field)
+    sampling = body.sampling(body.asked_logprobs())
+    reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": reply_id, "created": created, "model": engine.version}
+    if not body.stream:
+        out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
+        return {**head, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(engine, out.logprobs, sampling), "finish_reason": out.finish_reason}],
+            "usage": usage(out.prompt_tokens, out.completion_tokens)}
+    decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
+    return streaming(chat_events(decoding, head, engine, sampling, len(ids), include_usage(body)))
+
+
+async def chat_events(decoding: Decoding, head: dict, engine: Engine, sampling: SamplingParams | None,
+                      prompt_tokens: int, with_usage: bool) -> AsyncIterator[str]:
+    """A chat stream: the assistant's role, one event per token, the finish (and the usage, if asked), [DONE]."""
+
+    def chunk(delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+        logprobs = chat_logprobs(engine, [logprob], sampling) if logprob else None
+        return sse({**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    async for item in stream_items(decoding):
+        if isinstance(item, str):
+            yield item  # an error after the stream began
+        elif isinstance(item, Piece):  # one event per token, its text possibly held back
+            yield chunk({"content": item.text}, None, item.logprob)
+        else:
+            if item.text:
+                yield chunk({"content": item.text}, None)
+            yield chunk({}, item.reason)
+            if with_usage:
+                yield sse({**head, "object": "chat.completion.chunk", "choices": [],
+                           "usage": usage(prompt_tokens, item.completion_tokens)})
+    yield sse("[DONE]")
+
+
+async def completions(request: Request):
+    arrived = time.perf_counter()
+    service = service_of(request)
+    body, engine, stops = await accept(request, CompletionRequest)
+    if isinstance(body.prompt, list):
+        if len(body.prompt) != 1:
+            raise Refused(400, f"{len(body.prompt)} prompts: one prompt per request (the graphs are batch 1)",
+                          "prompt")
+        prompt = body.prompt[0]
+    else:
+        prompt = body.prompt
+    ids = await service.ids([prompt], lambda: engine.text_ids(prompt), "prompt")
+    max_tokens = service.prepare(ids, body.max_tokens, "prompt")
+    sampling = body.sampling(body.asked_logprobs())
+    reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
+    if not body.stream:
+        out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
+        return {**head, "choices": [{"index": 0, "text": out.text,
+                                     "logprobs": completion_logprobs(engine, out.logprobs, sampling),
+                                     "finish_reason": out.finish_reason}],
+                "usage": usage(out.prompt_tokens, out.completion_tokens)}
+    decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
+    return streaming(completion_events(decoding, head, engine, sampling, len(ids), include_usage(body)))
+
+
+async def completion_events(decoding: Decoding, head: dict, engine: Engine, sampling: SamplingParams | None,
+                            prompt_tokens: int, with_usage: bool) -> AsyncIterator[str]:
+    """A completion stream: one event per token, the last with the finish (then the usage, if asked), [DONE]."""
+    offset = [0]  # characters streamed so far: each event's logprobs carry their text_offset
+
+    def chunk(text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+        logprobs = completion_logprobs(engine, [logprob], sampling, offset[0]) if logprob else None
+        offset[0] += len(text)
+        return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish}]})
+
+    async for item in stream_items(decoding):
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, Piece):  # one event per token, its text possibly held back
+            yield chunk(item.text, None, item.logprob)
+        else:
+            yield chunk(item.text, item.reason)
+            if with_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, item.completion_tokens)})
+    yield sse("[DONE]")
+
+
+async def generate(request: Request) -> dict:
+    arrived = time.perf_counter()
+    service = service_of(request)
+    body = await parse(request, GenerateRequest, service.max_request_bytes)
+    engine = service.require_ready(None)
+    messages = [{"role": "user", "content": body.prompt}]
+    ids = await service.ids([body.prompt], lambda: engine.chat_ids(messages), "prompt")
+    max_tokens = service.prepare(ids, body.max_tokens, "prompt")
+    out = await service.complete(request, ids, max_tokens, (), arrived)
+    steps = out.completion_tokens - 1
+    return {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+            "new_tokens": out.completion_tokens,
+            "ttft_ms": round(out.ttft_s * 1e3, 1) if out.ttft_s is not None else None,
+            "tokens_per_s": round(steps / out.decode_s, 1) if steps > 0 and out.decode_s else None}
 
 
 def chat_logprobs(engine: Engine, entries: list[TokenLogprob], sampling: SamplingParams | None) -> dict | None:
