@@ -12,6 +12,10 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # run.py imports lazily: `python -m pipeline --help` must not pay for torch
+    from pipeline.stages import StageResult
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("pipeline")
@@ -224,11 +228,11 @@ def check_publish_target(cfg) -> None:
                            "\n".join(f"  - {p}" for p in found))
 
 
-def run_pipeline(cfg) -> list:
+def run_pipeline(cfg) -> list[StageResult]:
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError
     from pipeline.host.locking import held
-    from pipeline.stages import BY_NAME, ORDER, SHARED, module
+    from pipeline.stages import BY_NAME, ORDER, SHARED, StageStatus, module
 
     stages = list(ORDER) if cfg.stage == "all" else [cfg.stage]
     if cfg.variant is None and any(s not in SHARED for s in stages):
@@ -255,7 +259,7 @@ def run_pipeline(cfg) -> list:
         log.warning("no DVC remote is set: the `dvc push` dvc repro suggests has nowhere to send these builds. Add "
                     "one (dvc remote add -d storage s3://BUCKET/PATH; docs/rebuilds.md), or keep them in this "
                     "checkout's .dvc/cache")
-    ran = [r.stage for r in results if r.status == "ran"]
+    ran = [r.stage for r in results if r.status == StageStatus.ran]
     log.info("done in %.1f s%s: ran %s", time.monotonic() - started,
              f" ({cfg.variant.name})" if cfg.variant else "", ", ".join(ran) or "nothing (all up to date)")
     return results

@@ -156,3 +156,38 @@ def test_ci_runs_every_test_target_and_the_testing_guide_lists_each():
     table = (REPO / "docs" / "testing.md").read_text()
     missing = [t for t in targets | PART_OR_UNION if f"| `make {t}` |" not in table]
     assert not missing, f"docs/testing.md's table lacks {missing}"
+
+
+def section(path: Path, title: str) -> str:
+    """The text under the heading ``title`` in ``path``, up to the next heading of any level."""
+    text = path.read_text()
+    start = re.search(rf"^#+\s+{re.escape(title)}\s*$", text, re.M)
+    assert start, f"{path.name} has no heading {title!r}"
+    following = HEADING.search(text, start.end())
+    return text[start.end():following.start() if following else len(text)]
+
+
+def test_the_steps_to_add_a_backend_name_what_exists():
+    """docs/design.md's "How to add a backend": every file and folder it names exists (``<name>`` standing for an
+    existing backend), every name it gives is defined in the module it names, and the methods of ``Backend`` it lists
+    are the protocol's."""
+    import inspect
+
+    from pipeline.backends import base, build_code, registry
+    from pipeline.config import Backend
+    from pipeline.host import preflight
+
+    steps = section(REPO / "docs" / "design.md", "How to add a backend")
+    for cited in re.findall(r"`((?:pipeline|conf)/[^`]+)`", steps):
+        for name in ("cpu", "neuron"):
+            assert (REPO / cited.replace("<name>", name)).exists(), cited
+    defined = {"Backend": (base, Backend), "BUILD_CODE": (build_code,), "BACKENDS": (registry,),
+               "BackendEntry": (registry,), "NeuronEntry": (registry,), "XlaEntry": (registry,),
+               "Factors": (preflight,)}
+    for name in re.findall(r"`([A-Z][A-Za-z_]+)`", steps):
+        assert name in defined, f"design.md names {name}: say where it is defined in this test"
+    for name, where in defined.items():
+        assert name in steps and all(hasattr(m, name) for m in where if inspect.ismodule(m)), name
+    listed = set(re.search(r"\(`members`[^)]*\)", steps).group(0).replace("`", "").strip("()").split(", "))
+    protocol = {n for n, v in vars(base.Backend).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert listed == protocol

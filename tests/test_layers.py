@@ -19,7 +19,7 @@ LAYERS = (
     ("recipe",),
     ("models",),
     ("artifact",),
-    ("config", "paths"),
+    ("config", "config_errors", "paths"),
     ("host",),
     ("backends",),
     ("validation",),
@@ -146,3 +146,53 @@ def test_the_graph_reader_sees_lazy_and_type_checking_imports(tmp_path, monkeypa
     (package / "core" / "b.py").write_text("")
     monkeypatch.setitem(globals(), "PACKAGE", package)
     assert import_graph()["pipeline.core.a"] == {"pipeline.config", "pipeline.core.b"}
+
+
+def backend_name_checks(path: Path, names: set[str]) -> list[str]:
+    """Each place in ``path`` that compares a value with a backend's name, or keys a table by one."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for operand in operands:
+                elements = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(e, ast.Constant) and e.value in names for e in elements):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+        elif isinstance(node, ast.Dict):
+            if any(isinstance(k, ast.Constant) and k.value in names for k in node.keys):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    return found
+
+
+def test_nothing_outside_the_backends_asks_a_backend_by_name():
+    """A backend answers for itself (pipeline/backends/registry.py): outside pipeline/backends/, no code compares a
+    value with a backend's name or keys a table by one, so adding a backend is one entry there (docs/design.md)."""
+    from pipeline.config import Backend
+    from pipeline.core.choices import values
+
+    names = set(values(Backend))
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if "backends" not in path.relative_to(PACKAGE).parts
+             for hit in backend_name_checks(path, names)]
+    assert found == []
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_outside_the_build_code_is_longer_than_60_lines():
+    """Small functions. The build code (pipeline/backends/build_code.py: the recipe, the backends' own modules) is
+    left as it is: a version's inputs digest hashes its source, so splitting a function there renames every published
+    version without changing a byte (recipe/spec.py:spec_from_config is the one long function it holds)."""
+    from pipeline.backends.build_code import BUILD_CODE
+
+    build_code = {PACKAGE / rel for rels in BUILD_CODE.values() for rel in rels}
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in build_code or any(parent in build_code for parent in path.parents):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.name} ({lines} lines)")
+    assert long == []

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.backends.registry import BACKENDS
 from pipeline.config import PreflightConfig, ResourceNeed
 from pipeline.core.errors import PreflightError
 from pipeline.core.shape import BuildShape
@@ -55,6 +56,7 @@ NEURON_LS = [{"neuron_device": 0, "bdf": "00:1f.0", "cpu_affinity": "0-31", "num
 E4B_NEURON = ResourceNeed(trace_base_gb=20, trace_per_graph_gb=80, validate_gb=15, host_prefill_gb=17, disk_gb=120)
 HOST_2048 = BuildShape(2048, 512, "bf16", "host", 2)
 DEVICE_2048 = BuildShape(2048, 512, "bf16", "device", 2)
+NEURON, CPU = BACKENDS["neuron"], BACKENDS["cpu"]  # what the preflight asks of a backend, its registry entry
 THIS_HOST_GIB = 22.9  # what this 24 GiB development machine offered when E4B's declared 28 GiB refused a 6-layer build
 
 
@@ -124,20 +126,20 @@ def test_sizes(text, size):
 
 def test_trace_need_counts_the_graphs_compiled_at_once():
     # The seed: both ranks compiling at once peaked past 128 GiB and needed a 55 GiB swap file.
-    both = trace_need(E4B_NEURON, "neuron", HOST_2048, 0, [Path("/a")])
+    both = trace_need(E4B_NEURON, NEURON, HOST_2048, 0, [Path("/a")])
     assert both.memory == 180 * GIB and both.neuron_cores == 2 and both.disk == {"/a": 120 * GIB}
     assert "backend.max_parallel=1 (needs 100 GiB)" in both.memory_hint
-    one = trace_need(E4B_NEURON, "neuron", HOST_2048, 1, [])
+    one = trace_need(E4B_NEURON, NEURON, HOST_2048, 1, [])
     assert one.memory == 100 * GIB and not one.memory_hint
-    device = trace_need(E4B_NEURON, "neuron", DEVICE_2048, 1, [])  # ModelBuilder: prefill and decode at once
+    device = trace_need(E4B_NEURON, NEURON, DEVICE_2048, 1, [])  # ModelBuilder: prefill and decode at once
     assert device.memory == 180 * GIB and not device.memory_hint
-    cpu = trace_need(ResourceNeed(trace_base_gb=1, trace_per_graph_gb=2, disk_gb=0), "cpu", HOST_2048, 0, [])
+    cpu = trace_need(ResourceNeed(trace_base_gb=1, trace_per_graph_gb=2, disk_gb=0), CPU, HOST_2048, 0, [])
     assert cpu.memory == 5 * GIB and cpu.neuron_cores == 0
 
 
 def test_validate_need_adds_the_host_float_model_for_host_prefill():
-    assert validate_need(E4B_NEURON, "neuron", HOST_2048).memory == 32 * GIB
-    assert validate_need(E4B_NEURON, "neuron", DEVICE_2048).memory == 15 * GIB
+    assert validate_need(E4B_NEURON, NEURON, HOST_2048).memory == 32 * GIB
+    assert validate_need(E4B_NEURON, NEURON, DEVICE_2048).memory == 15 * GIB
 
 
 def test_a_rank_holds_the_bytes_the_plan_counts(tiny_dir):
@@ -152,12 +154,12 @@ def test_a_rank_holds_the_bytes_the_plan_counts(tiny_dir):
 
 def test_e4b_comes_out_at_the_seed_recipes_figures_on_neuron():
     # The neuron factors are the seed's E4B figures over E4B's own bytes: E4B itself gets them back.
-    est = estimate(spec_from_config(E4B_CONFIG), HOST_2048, "neuron", None)
+    est = estimate(spec_from_config(E4B_CONFIG), HOST_2048, NEURON, None)
     assert est.weights.rank / GIB == preflight.E4B_BF16_RANK_GB and est.overridden == ()
-    assert trace_need(est.resources, "neuron", HOST_2048, 0, []).memory == pytest.approx(180 * GIB, rel=1e-6)
-    assert trace_need(est.resources, "neuron", HOST_2048, 1, []).memory == pytest.approx(100 * GIB, rel=1e-6)
-    assert validate_need(est.resources, "neuron", DEVICE_2048).memory == pytest.approx(15 * GIB, rel=1e-6)
-    fp32 = estimate(spec_from_config(E4B_CONFIG), BuildShape(2048, 512, "fp32", "device", 2), "neuron", None)
+    assert trace_need(est.resources, NEURON, HOST_2048, 0, []).memory == pytest.approx(180 * GIB, rel=1e-6)
+    assert trace_need(est.resources, NEURON, HOST_2048, 1, []).memory == pytest.approx(100 * GIB, rel=1e-6)
+    assert validate_need(est.resources, NEURON, DEVICE_2048).memory == pytest.approx(15 * GIB, rel=1e-6)
+    fp32 = estimate(spec_from_config(E4B_CONFIG), BuildShape(2048, 512, "fp32", "device", 2), NEURON, None)
     assert fp32.weights.rank > 1.99 * est.weights.rank  # twice the bytes: judged bigger, never smaller
     assert fp32.resources.trace_per_graph_gb > 1.9 * est.resources.trace_per_graph_gb
 
@@ -203,8 +205,8 @@ def test_modelbuilders_sharded_checkpoints_are_counted_where_it_writes_them(tmp_
 
 def test_a_configured_figure_overrides_the_derived_one():
     spec = spec_from_config(E4B_CONFIG)
-    derived = estimate(spec, DEVICE_2048, "cpu", None)
-    est = estimate(spec, DEVICE_2048, "cpu", ResourceNeed(trace_per_graph_gb=3.5))
+    derived = estimate(spec, DEVICE_2048, CPU, None)
+    est = estimate(spec, DEVICE_2048, CPU, ResourceNeed(trace_per_graph_gb=3.5))
     assert est.resources.trace_per_graph_gb == 3.5 and est.overridden == ("trace_per_graph_gb",)
     assert est.resources.validate_gb == derived.resources.validate_gb  # the keys left null are still derived
     assert "model.resources.cpu.trace_per_graph_gb is set" in est.describe()
@@ -214,7 +216,7 @@ def test_a_configured_figure_overrides_the_derived_one():
 # -- decisions ------------------------------------------------------------------------------------------------------
 
 def test_an_inf2_8xlarge_without_swap_is_refused_with_the_numbers_and_the_swap_commands():
-    need = trace_need(E4B_NEURON, "neuron", HOST_2048, 0, [])
+    need = trace_need(E4B_NEURON, NEURON, HOST_2048, 0, [])
     problems = decide(need, host(125, 0, neuron_cores=2), "/swapfile")
     assert len(problems) == 1
     msg = problems[0]
@@ -225,7 +227,7 @@ def test_an_inf2_8xlarge_without_swap_is_refused_with_the_numbers_and_the_swap_c
 
 
 def test_loading_on_an_inf2_xlarge_needs_swap():
-    need = validate_need(E4B_NEURON, "neuron", DEVICE_2048)
+    need = validate_need(E4B_NEURON, NEURON, DEVICE_2048)
     assert "needs 15.0 GiB of RAM + swap" in decide(need, host(14, 0, neuron_cores=2))[0]
     assert decide(need, host(14, 16, neuron_cores=2)) == []
 

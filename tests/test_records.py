@@ -59,16 +59,17 @@ def test_every_stages_code_is_read_from_the_installed_package():
 
 
 def test_every_backend_has_its_build_code_packages_factors_and_implementation():
-    """The backend names are config.Backend's; every per-backend table has exactly those keys, and each name loads."""
+    """The backend names are config.Backend's (the schema stays torch-free: it does not read the registry); the
+    registry and the build code table have exactly those names, and each name loads a backend of that name."""
     from pipeline.backends import get_backend
     from pipeline.backends.build_code import BUILD_CODE
+    from pipeline.backends.registry import BACKENDS
     from pipeline.config import Backend
     from pipeline.core.choices import values
-    from pipeline.host.preflight import FACTORS
-    from pipeline.stages.trace import BUILD_PACKAGES
 
     names = set(values(Backend))
-    assert set(BUILD_CODE) == set(BUILD_PACKAGES) == set(FACTORS) == names
+    assert set(BUILD_CODE) == set(BACKENDS) == names
+    assert all(entry.name == name for name, entry in BACKENDS.items())
     assert {get_backend(name).name for name in names} == names
 
 
@@ -245,3 +246,19 @@ def test_a_record_the_reader_would_refuse_is_never_written(tmp_path, packaged):
                                             r"wrong type \(NoneType; expected str\)"):
         replace(build, backend=None).write(tmp_path / "build.json")
     assert not (tmp_path / "build.json").exists()
+
+
+def test_a_variants_fields_are_the_build_shapes_in_the_schema_and_in_the_build_record():
+    """The variant's fields are declared three times, each for a reason: ``BuildShape`` (core/shape.py, build code:
+    what the rank files are made from), ``VariantConfig`` (config.py: OmegaConf needs its enums and MISSING) and the
+    build record's ``Variant`` (core/build_records.py: what a build was made for, read without the schema). Held here
+    to one list, in one order: a field added to one and not the others fails this test."""
+    from dataclasses import fields
+
+    from pipeline.config import VariantConfig
+    from pipeline.core.build_records import Variant
+    from pipeline.core.shape import BuildShape
+
+    shape = [f.name for f in fields(BuildShape)]
+    assert [f.name for f in fields(VariantConfig)] == ["name", *shape]
+    assert [f.name for f in fields(Variant)] == ["name", *shape]

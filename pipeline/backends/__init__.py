@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from pipeline.backends.packages import neuron_devices, neuron_packages_present, package_problem
+from pipeline.backends.registry import BACKENDS, backend_entry
 from pipeline.core.log import log
 
-__all__ = ["get_backend", "neuron_devices", "neuron_packages_present", "package_problem", "resolve"]
+__all__ = ["BACKENDS", "backend_entry", "get_backend", "neuron_devices", "neuron_packages_present", "package_problem",
+           "resolve"]
 
 
 def resolve(name: str) -> str:
@@ -21,16 +23,5 @@ def resolve(name: str) -> str:
 
 
 def get_backend(name: str):
-    if name == "cpu":
-        from pipeline.backends.cpu import CpuBackend
-
-        return CpuBackend()
-    if name == "neuron":
-        from pipeline.backends.neuron import NeuronBackend
-
-        return NeuronBackend()
-    if name == "xla":
-        from pipeline.backends.xla import XlaBackend
-
-        return XlaBackend()
-    raise ValueError(f"unknown backend {name!r}")
+    """The ``Backend`` named ``name`` (its entry in pipeline/backends/registry.py)."""
+    return backend_entry(name).create()

@@ -77,15 +77,17 @@ class Budget:
 def variant_tasks(variant: str, backend: str, shape, resources, max_parallel: int,
                   quiet_validate: bool = False) -> list[Task]:
     """The three tasks of one variant, with what each needs."""
+    from pipeline.backends.registry import backend_entry
     from pipeline.host import preflight
 
-    build = preflight.trace_need(resources, backend, shape, max_parallel, [])
-    check = preflight.validate_need(resources, backend, shape)
+    entry = backend_entry(backend)
+    build = preflight.trace_need(resources, entry, shape, max_parallel, [])
+    check = preflight.validate_need(resources, entry, shape)
     stages = phases()  # build: trace, package; validate; publish (pipeline.stages.STAGES)
     # A neuron compile holds its NeuronCores too (its ranks initialise the runtime; ModelBuilder loads the weights
     # onto the cores at the end of its trace), so a compile and a validate share the cores as two validates do.
-    port = "trace-port" if backend == "neuron" and shape.prefill == "host" else None
-    return [Task(variant, "build", stages["build"], build.memory, build.neuron_cores, exclusive=port),
+    return [Task(variant, "build", stages["build"], build.memory, build.neuron_cores,
+                 exclusive=entry.build_group(shape)),
             Task(variant, "validate", stages["validate"], check.memory, check.neuron_cores, alone=quiet_validate),
             Task(variant, "publish", stages["publish"], 0, 0, exclusive="publish")]
 
@@ -233,9 +235,10 @@ def compose(variant: str | None, overrides: list[str]):
 
 
 def measure_budget(backend: str, jobs: int | None, memory_gib: float | None) -> Budget:
+    from pipeline.backends.registry import backend_entry
     from pipeline.host import preflight
 
-    res = preflight.measure([], with_neuron=backend == "neuron")
+    res = preflight.measure([], with_neuron=backend_entry(backend).on_neuron_cores)
     memory = int(memory_gib * GIB) if memory_gib is not None else res.usable_memory
     free_cores = max(0, (res.neuron_cores or 0) - res.neuron_cores_busy)
     return Budget(memory, jobs or os.cpu_count() or 1, free_cores)
@@ -248,14 +251,7 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    from pipeline.backends import resolve
-    from pipeline.config import available_variants
-    from pipeline.core.errors import ConfigError
-    from pipeline.host import preflight
-    from pipeline.run import CONF_DIR, run_pipeline
-    from pipeline.stages import SHARED
-
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every variant (backend=cpu model=...)")
     parser.add_argument("--variants", help="comma-separated variant names (default: every file in conf/variant/)")
@@ -265,22 +261,40 @@ def main(argv: list[str]) -> int:
                         help="validate with nothing else running, so throughput figures compare across builds "
                              "(default: on for the neuron backend, off for cpu)")
     parser.add_argument("--dry-run", action="store_true", help="print the tasks, their needs and the budget")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, variants: list[str], known: list[str]) -> None:
+    """Refuse what the scheduler decides itself, or cannot do, before any config is composed."""
+    from pipeline.core.errors import ConfigError
+
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise ConfigError(f"--variants {unknown} are not in conf/variant/ ({', '.join(known)})")
+    if any(o.startswith(("+variant", "variant=", "stage=")) for o in args.overrides):
+        raise ConfigError("the scheduler picks variants and stages itself: use --variants, not +variant/stage=")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs={args.jobs} must be at least 1")
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.backends import resolve
+    from pipeline.backends.registry import backend_entry
+    from pipeline.config import available_variants
+    from pipeline.run import CONF_DIR, run_pipeline
+    from pipeline.stages import SHARED
+    from pipeline.stages import trace as trace_stage
+
+    args = parse_args(argv)
     setup()
     known = available_variants(CONF_DIR)
     variants = args.variants.split(",") if args.variants else known
     with exit_on_error():
-        unknown = [v for v in variants if v not in known]
-        if unknown:
-            raise ConfigError(f"--variants {unknown} are not in conf/variant/ ({', '.join(known)})")
-        if any(o.startswith(("+variant", "variant=", "stage=")) for o in args.overrides):
-            raise ConfigError("the scheduler picks variants and stages itself: use --variants, not +variant/stage=")
-        if args.jobs is not None and args.jobs < 1:
-            raise ConfigError(f"--jobs={args.jobs} must be at least 1")
+        check_args(args, variants, known)
         configs = {v: compose(v, list(args.overrides)) for v in variants}  # every config checked before any work
         first = configs[variants[0]]
         backend = resolve(first.backend.name)
-        quiet = backend == "neuron" if args.quiet_validate is None else args.quiet_validate
+        quiet = backend_entry(backend).quiet_validate() if args.quiet_validate is None else args.quiet_validate
         budget = measure_budget(backend, args.jobs, args.memory_gib)
         log.info("schedule: %d variants on %s; budget %s", len(variants), backend, budget.describe())
         if not args.dry_run:
@@ -289,9 +303,8 @@ def main(argv: list[str]) -> int:
                 shared.stage = stage
                 run_pipeline(shared)
         spec = checkpoint_spec(first)  # every variant builds the same checkpoint (the overrides are shared)
-        plans = [variant_tasks(v, backend, c.variant.shape, preflight.estimate(
-            spec, c.variant.shape, backend, c.model.resources.get(backend)).resources, c.backend.max_parallel, quiet)
-                 for v, c in configs.items()]
+        plans = [variant_tasks(v, backend, c.variant.shape, trace_stage.estimate(c, backend, spec).resources,
+                               c.backend.max_parallel, quiet) for v, c in configs.items()]
         for plan in plans:
             log.info("schedule: %s needs %s", plan[0].variant,
                      ", ".join(f"{t.name} {t.memory / GIB:.1f} GiB" for t in plan))

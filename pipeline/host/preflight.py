@@ -3,7 +3,8 @@
 ``measure()`` reads the host (``/proc/meminfo``, the cgroup's memory limits along its hierarchy, free disk at each
 path that will be written, ``neuron-ls --json-output``); ``estimate()`` derives what a variant needs from its
 checkpoint's own spec: the bytes of one rank's weights at the variant's dtype (and of the host's float model), times
-factors measured per backend (``FACTORS``), with ``model.resources.<backend>.<key>`` overriding any figure;
+factors measured per backend (``CPU``, ``NEURON``, ``XLA``: each backend's entry in pipeline/backends/registry.py
+names its own), with ``model.resources.<backend>.<key>`` overriding any figure;
 ``decide()`` compares the two and returns every shortfall with the exact numbers and the commands that fix it. All
 are plain functions of their inputs, so every decision is tested with injected figures.
 
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pipeline.config import ResourceNeed
 from pipeline.core.errors import PreflightError
@@ -395,12 +396,21 @@ NEURON = Factors(
 XLA_FIXED_GB = 1.4
 XLA = replace(CPU, graph_fixed_gb=XLA_FIXED_GB, graph_per_byte=CPU.graph_per_byte + 1.0, load_rank_gb=XLA_FIXED_GB,
               validate_per_byte=CPU.validate_per_byte + 1.0)
-FACTORS = {"cpu": CPU, "neuron": NEURON, "xla": XLA}
 
 
-def derive(weights: WeightBytes, backend: str) -> ResourceNeed:
-    """Every figure of ``ResourceNeed`` from the weights' bytes and the backend's factors."""
-    f = FACTORS[backend]
+class BackendNeeds(Protocol):
+    """What the preflight asks of a backend; its entry in pipeline/backends/registry.py answers."""
+
+    name: str
+    factors: Factors
+
+    def neuron_cores(self, shape: BuildShape) -> int: ...
+
+    def graphs_at_once(self, shape: BuildShape, max_parallel: int, resources: ResourceNeed) -> tuple[int, str]: ...
+
+
+def derive(weights: WeightBytes, f: Factors) -> ResourceNeed:
+    """Every figure of ``ResourceNeed`` from the weights' bytes and a backend's factors."""
     rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_float / GIB
     return ResourceNeed(
         trace_base_gb=f.trace_fixed_gb + f.trace_base_per_byte * ranks,
@@ -432,52 +442,36 @@ class Estimate:
                 "overridden": list(self.overridden)}
 
 
-def estimate(spec: ModelSpec, shape: BuildShape, backend: str, overrides: ResourceNeed | None) -> Estimate:
+def estimate(spec: ModelSpec, shape: BuildShape, backend: BackendNeeds, overrides: ResourceNeed | None) -> Estimate:
     """What ``shape`` of the checkpoint ``spec`` describes needs on ``backend``: derived, then every key the conf sets
     (``model.resources.<backend>.<key>``, not null) taking its place."""
     weights = weight_bytes(spec, shape)
     given = {f.name: getattr(overrides, f.name) for f in fields(ResourceNeed)} if overrides else {}
     chosen = {k: v for k, v in given.items() if v is not None}
-    return Estimate(replace(derive(weights, backend), **chosen), weights, tuple(chosen), backend)
+    return Estimate(replace(derive(weights, backend.factors), **chosen), weights, tuple(chosen), backend.name)
 
 
-def trace_need(resources: ResourceNeed, backend: str, shape: BuildShape, max_parallel: int,
+def trace_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape, max_parallel: int,
                disk_paths: list[Path], basis: str = "", extra_disk: dict[Path, int] | None = None) -> Need:
-    """What tracing one variant needs: the tracing process plus every graph compiled at the same time (``basis``:
-    where the figures come from, quoted in refusals); ``extra_disk``: bytes written on a path's file system beyond
-    ``resources.disk_gb`` (ModelBuilder's sharded checkpoints in its work folder).
-
-    cpu: every rank traces at once. xla: one rank at a time. neuron, host prefill: ``parallel_model_trace`` compiles
-    ``max_parallel`` ranks at once (all when 0). neuron, device prefill: ModelBuilder compiles one SPMD graph per
-    entry point (prefill, decode), concurrently, whatever ``max_parallel`` says.
-    """
-    cores = shape.tp_degree if backend == "neuron" else 0
-    what = f"tracing {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}" + (
+    """What tracing one variant needs: the tracing process plus every graph ``backend`` compiles at the same time
+    (``basis``: where the figures come from, quoted in refusals); ``extra_disk``: bytes written on a path's file
+    system beyond ``resources.disk_gb`` (ModelBuilder's sharded checkpoints in its work folder)."""
+    what = f"tracing {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend.name}" + (
         f" ({basis})" if basis else "")
-    if backend == "neuron" and shape.prefill == "device":
-        graphs, hint = len(shape.entries), ""
-    elif backend == "neuron":
-        graphs = min(shape.tp_degree, max_parallel) if max_parallel else shape.tp_degree
-        one = resources.trace_base_gb + resources.trace_per_graph_gb
-        hint = f"or compile one rank at a time with backend.max_parallel=1 (needs {one:.0f} GiB)" if graphs > 1 else ""
-    elif backend == "xla":
-        graphs, hint = 1, ""  # one process lowers the ranks one after the other
-    else:
-        graphs, hint = shape.tp_degree, ""
+    graphs, hint = backend.graphs_at_once(shape, max_parallel, resources)
     memory = resources.trace_base_gb + graphs * resources.trace_per_graph_gb
     disk = {str(p): int(resources.disk_gb * GIB) for p in disk_paths}
     for path, size in (extra_disk or {}).items():
         disk[str(path)] = disk.get(str(path), 0) + size
-    return Need(int(memory * GIB), disk, cores, what, hint)
+    return Need(int(memory * GIB), disk, backend.neuron_cores(shape), what, hint)
 
 
-def validate_need(resources: ResourceNeed, backend: str, shape: BuildShape, basis: str = "") -> Need:
+def validate_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape, basis: str = "") -> Need:
     """What loading a build and decoding with it needs (plus the host's float model for host prefill)."""
-    cores = shape.tp_degree if backend == "neuron" else 0
-    what = f"validating {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend}" + (
+    what = f"validating {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend.name}" + (
         f" ({basis})" if basis else "")
     memory = resources.validate_gb + (resources.host_prefill_gb if shape.prefill == "host" else 0.0)
-    return Need(int(memory * GIB), {}, cores, what)
+    return Need(int(memory * GIB), {}, backend.neuron_cores(shape), what)
 
 
 def check(need: Need, settings: PreflightConfig) -> Resources:

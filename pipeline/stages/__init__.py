@@ -8,14 +8,28 @@ their code deps are its one unavoidable copy, held to it by tests/test_dvc.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pipeline.core.records import code_digest
+
+
+class StageStatus(StrEnum):
+    ran = "ran"
+    skipped = "skipped"  # up to date: nothing written
+
+
+class StageScope(StrEnum):
+    """What one run of a stage covers, and so the lock it holds."""
+
+    host = "host"  # the toolchain record, one per artifacts folder
+    model = "model"  # the checkpoint and its float reference
+    variant = "variant"  # one build
 
 
 @dataclass
 class StageResult:
     stage: str
-    status: str  # "ran" | "skipped"
+    status: StageStatus
     seconds: float = 0.0
     details: dict = field(default_factory=dict)
 
@@ -23,9 +37,7 @@ class StageResult:
 @dataclass(frozen=True)
 class Stage:
     name: str
-    scope: str
-    """What one run of it covers, and so the lock it holds: ``host`` (the toolchain record, one per artifacts
-    folder), ``model`` (the checkpoint and its float reference) or ``variant`` (one build)."""
+    scope: StageScope
     phase: str | None
     """The scheduler's task it belongs to (``build``, ``validate``, ``publish``); None for the shared stages."""
     code: tuple[str, ...]
@@ -37,23 +49,23 @@ class Stage:
     @property
     def shared(self) -> bool:
         """Needs no variant."""
-        return self.scope != "variant"
+        return self.scope != StageScope.variant
 
     def lock_name(self, model: str, variant: str | None) -> str:
         """The lock it holds: what it writes decides whom it must exclude."""
-        return {"host": "toolchain", "model": model}.get(self.scope, f"{model}-{variant}")
+        return {StageScope.host: "toolchain", StageScope.model: model}.get(self.scope, f"{model}-{variant}")
 
 
 STAGES = (  # in the order they run
-    Stage("toolchain", "host", None, ("stages/toolchain.py", "core/versions.py", "backends/__init__.py")),
-    Stage("model", "model", None, ("stages/model.py", "models", "recipe/spec.py", "recipe/checkpoint.py")),
-    Stage("reference", "model", None, ("stages/reference.py", "validation/prompts.py", "validation/parity.py",
-                                       "models/texts.py", "recipe/spec.py")),
-    Stage("trace", "variant", "build", ("stages/trace.py", "core/shape.py", "recipe", "backends")),
-    Stage("package", "variant", "build", ("stages/package.py", "artifact")),
-    Stage("validate", "variant", "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact", "recipe",
-                                              "backends")),
-    Stage("publish", "variant", "publish", ("stages/publish.py", "publishing", "artifact")),
+    Stage("toolchain", StageScope.host, None, ("stages/toolchain.py", "core/versions.py", "backends/__init__.py")),
+    Stage("model", StageScope.model, None, ("stages/model.py", "models", "recipe/spec.py", "recipe/checkpoint.py")),
+    Stage("reference", StageScope.model, None, ("stages/reference.py", "validation/prompts.py", "validation/parity.py",
+                                                "models/texts.py", "recipe/spec.py")),
+    Stage("trace", StageScope.variant, "build", ("stages/trace.py", "core/shape.py", "recipe", "backends")),
+    Stage("package", StageScope.variant, "build", ("stages/package.py", "artifact")),
+    Stage("validate", StageScope.variant, "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact",
+                                                       "recipe", "backends")),
+    Stage("publish", StageScope.variant, "publish", ("stages/publish.py", "publishing", "artifact")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 ORDER = tuple(BY_NAME)

@@ -26,7 +26,7 @@ from pipeline.core.records import code_digest, encode, fingerprint
 from pipeline.paths import Paths
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.spec import load_spec
-from pipeline.stages import StageResult, code_of
+from pipeline.stages import StageResult, StageStatus, code_of
 
 
 def source(cfg: PipelineConfig) -> dict:
@@ -125,7 +125,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     recorded = ModelRecord.read_if_valid(paths.model_record)
     if not cfg.force and recorded and recorded.fingerprint == fp and paths.weights.exists():
         log.info("model: %s is up to date (%s)", cfg.model.name, paths.weights)
-        return StageResult("model", "skipped")
+        return StageResult("model", StageStatus.skipped)
     started = time.monotonic()
     unchanged = None if cfg.force else same_checkpoint(cfg, paths)
     if unchanged:
@@ -141,7 +141,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     record.write(paths.model_record)
     size = sum(f.size for f in record.files.values())
     log.info("model: %d files, %.1f MB, config %s", len(record.files), size / 1e6, record.config_digest[:12])
-    return StageResult("model", "ran", time.monotonic() - started)
+    return StageResult("model", StageStatus.ran, time.monotonic() - started)
 
 
 def load(cfg: PipelineConfig) -> ModelRecord:

@@ -24,7 +24,7 @@ from pipeline.core.fsutil import reporting_full_disk, staged_dir
 from pipeline.core.log import log
 from pipeline.core.records import fingerprint
 from pipeline.paths import Paths
-from pipeline.stages import StageResult, code_of
+from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import trace as trace_stage
 
 INPUTS_DIGITS = 8  # 32 bits: a clash among the few builds of one variant and compiler is out of reach
@@ -57,7 +57,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     if (not cfg.force and current and current.fingerprint == fp and current.members == build.members
             and (paths.dist / current.archive.name).is_file()):
         log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
-        return StageResult("package", "skipped")
+        return StageResult("package", StageStatus.skipped)
     started = time.monotonic()
     for member in build.members:  # the build directory must still be what the trace recorded
         archive_mod.verify_file(paths.build / member.path, member.size, member.sha256, "rank file")
@@ -93,7 +93,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     log.info("package: %s -> %s (%.1f MB of %.1f MB, %.0f MB/s, sha256 %s, %s)", cfg.variant.name,
              packed["archive"]["name"], packed["archive"]["size"] / 1e6, size_in / 1e6, size_in / 1e6 / max(took, 1e-9),
              packed["archive"]["sha256"][:12], "signed" if cfg.package.signing.private_key else "unsigned")
-    return StageResult("package", "ran", time.monotonic() - started)
+    return StageResult("package", StageStatus.ran, time.monotonic() - started)
 
 
 def load(cfg: PipelineConfig) -> Manifest:

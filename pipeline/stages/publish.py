@@ -30,6 +30,7 @@ from filelock import FileLock
 from pipeline.artifact import signing
 from pipeline.artifact.archive import verify_file
 from pipeline.artifact.manifest import Manifest
+from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import write_json_if_changed
@@ -39,7 +40,7 @@ from pipeline.paths import Paths
 from pipeline.publishing import layout, regression
 from pipeline.publishing.card import render
 from pipeline.publishing.localrepo import LocalRepo
-from pipeline.stages import StageResult
+from pipeline.stages import StageResult, StageStatus
 from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
 
@@ -59,7 +60,7 @@ def demo_reasons(manifest: Manifest) -> list[str]:
     reasons = []
     if not manifest.model.hub_id:
         reasons.append(f"its model, {manifest.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
-    if manifest.backend != "neuron":
+    if not backend_entry(manifest.backend).for_inferentia:
         reasons.append(f"it was built by the {manifest.backend} backend, not compiled for Inferentia")
     return reasons
 
@@ -90,7 +91,7 @@ def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
     reasons = []
     if not cfg.model.hub_id:
         reasons.append(f"its model, {cfg.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
-    if backend != "neuron":
+    if not backend_entry(backend).for_inferentia:
         reasons.append(f"it would be built by the {backend} backend, not compiled for Inferentia")
     if reasons and not pub.allow_demo:
         found.append("the build is a demo build: " + "; ".join(reasons) + ". Build the real model on an inf2 host "
@@ -305,4 +306,5 @@ def run(cfg: PipelineConfig) -> StageResult:
     })
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
              "new commit" if result["created"] else "archive repaired" if result["repaired"] else "already there")
-    return StageResult("publish", "ran" if result["created"] or result["repaired"] else "skipped", details=result)
+    status = StageStatus.ran if result["created"] or result["repaired"] else StageStatus.skipped
+    return StageResult("publish", status, details=result)

@@ -22,7 +22,7 @@ from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_f
 from pipeline.core.log import log, progress
 from pipeline.core.records import fingerprint, is_fresh, require_record
 from pipeline.paths import Paths
-from pipeline.stages import StageResult, code_of
+from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages.toolchain import package_version
 from pipeline.validation.parity import logits_of
@@ -92,7 +92,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     fp = expected_fingerprint(cfg, model_record, prompts)
     if not cfg.force and is_fresh(paths.reference, fp, [paths.reference_tensors]):
         log.info("reference: up to date (%s)", paths.reference)
-        return StageResult("reference", "skipped")
+        return StageResult("reference", StageStatus.skipped)
     started = time.monotonic()
     spec = load_spec(paths.weights)
     model = load_float_model(paths.weights)
@@ -124,7 +124,7 @@ def run(cfg: PipelineConfig) -> StageResult:
                      "pipeline": __version__},
         "eos_token_ids": list(spec.eos_token_ids),
     })
-    return StageResult("reference", "ran", time.monotonic() - started)
+    return StageResult("reference", StageStatus.ran, time.monotonic() - started)
 
 
 def load(cfg: PipelineConfig) -> tuple[dict, dict[str, torch.Tensor]]:

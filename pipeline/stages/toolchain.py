@@ -29,7 +29,7 @@ from pipeline.core.fsutil import write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.versions import installed as package_version
 from pipeline.paths import Paths
-from pipeline.stages import StageResult
+from pipeline.stages import StageResult, StageStatus
 
 SCHEMA_VERSION = 2
 PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx", "neuronx-distributed",
@@ -141,7 +141,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     log.info("toolchain: backend %s, %s, %d aws-neuronx packages (%s)", record["backend"], present,
              len(record["system_packages"]), "changed, rewrote " + str(path) if changed else "unchanged")
     # It always looks; it "ran" only when the record changed (a run that changes nothing says "ran nothing").
-    return StageResult("toolchain", "ran" if changed else "skipped", time.monotonic() - started, {"changed": changed})
+    status = StageStatus.ran if changed else StageStatus.skipped
+    return StageResult("toolchain", status, time.monotonic() - started, {"changed": changed})
 
 
 def load(cfg: PipelineConfig) -> dict:

@@ -14,14 +14,13 @@ and of each graph, so the factors can be derived again), times, and each file's 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from pipeline.backends import get_backend, resolve
+from pipeline.backends import resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
-from pipeline.backends.build_code import BUILD_CODE
+from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import BuildRecord, Compiler, Member, ModelRecord, Variant
 from pipeline.core.errors import PipelineError, StaleInputError
@@ -33,7 +32,7 @@ from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
 from pipeline.recipe.spec import ModelSpec, load_spec
-from pipeline.stages import StageResult, code_of
+from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
 
@@ -47,7 +46,7 @@ def backend_name(cfg: PipelineConfig, toolchain: dict) -> str:
 
 
 def compiler_args(cfg: PipelineConfig, backend: str) -> list[str]:
-    return list(cfg.backend.compiler_args.get(cfg.variant.dtype, [])) if backend == "neuron" else []
+    return backend_entry(backend).compiler_args(cfg)
 
 
 def compiler_workdir(cfg: PipelineConfig) -> Path | None:
@@ -68,16 +67,17 @@ def compile_cache(cfg: PipelineConfig) -> str | None:
 
 def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceRequest:
     paths = Paths.of(cfg)
+    entry = backend_entry(backend)
     return TraceRequest(
         checkpoint=CheckpointRef(paths.weights.resolve(), cfg.model.text_prefix, cfg.model.head_key),
         shape=cfg.variant.shape,
         compiler_args=tuple(compiler_args(cfg, backend)),
         workdir=compiler_workdir(cfg),
         max_parallel=cfg.backend.max_parallel,
-        visible_cores=cfg.backend.visible_cores if backend == "neuron" else None,
+        visible_cores=cfg.backend.visible_cores if entry.on_neuron_cores else None,
         check_sdk_release=cfg.backend.check_sdk_release,
         allow_unsupported_host_prefill=cfg.backend.allow_unsupported_host_prefill,
-        compile_cache_dir=compile_cache(cfg) if backend == "neuron" else None,
+        compile_cache_dir=compile_cache(cfg) if entry.neuronx_cc else None,
         host=host,
         need=need,
     )
@@ -85,29 +85,20 @@ def request(cfg: PipelineConfig, backend: str, host=None, need=None) -> TraceReq
 
 def estimate(cfg: PipelineConfig, backend: str, spec: ModelSpec) -> preflight.Estimate:
     """What this variant of the checkpoint ``spec`` describes needs, with the conf's overrides."""
-    return preflight.estimate(spec, cfg.variant.shape, backend, cfg.model.resources.get(backend))
+    return preflight.estimate(spec, cfg.variant.shape, backend_entry(backend), cfg.model.resources.get(backend))
 
 
 def preflight_need(cfg: PipelineConfig, backend: str, est: preflight.Estimate) -> preflight.Need:
-    paths = Paths.of(cfg)
+    paths, entry = Paths.of(cfg), backend_entry(backend)
     disk_paths = [paths.variant_dir]
-    if backend == "neuron" and compiler_workdir(cfg) is not None:
+    if entry.neuronx_cc and compiler_workdir(cfg) is not None:
         disk_paths.append(compiler_workdir(cfg))
     if Path(".dvc/cache").is_dir():  # dvc repro copies (or links) every output into its cache
         disk_paths.append(Path(".dvc/cache").resolve())
-    extra = {}
-    if backend == "neuron" and cfg.variant.prefill == "device":
-        # ModelBuilder writes every rank's slice of the weights into its work folder before loading them back
-        # (tp{rank}_sharded_checkpoint.safetensors: NxD v2.28.0 trace/model_builder.py:764-773, 984): all ranks'
-        # bytes again, on the work folder's file system, beside its compiler files.
-        extra[compiler_workdir(cfg) or paths.variant_dir] = est.weights.ranks
-    return preflight.trace_need(est.resources, backend, cfg.variant.shape, cfg.backend.max_parallel, disk_paths,
+    work_bytes = entry.work_folder_bytes(cfg.variant.shape, est.weights)
+    extra = {compiler_workdir(cfg) or paths.variant_dir: work_bytes} if work_bytes else {}
+    return preflight.trace_need(est.resources, entry, cfg.variant.shape, cfg.backend.max_parallel, disk_paths,
                                 est.describe(), extra)
-
-
-def compiler_env() -> dict:
-    """Environment that changes what neuronx-cc produces (optimum-neuron#457: NEURON_CC_FLAGS changes the code)."""
-    return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")}
 
 
 def build_settings(cfg: PipelineConfig, model_record: ModelRecord, backend: str) -> dict:
@@ -120,7 +111,7 @@ def build_settings(cfg: PipelineConfig, model_record: ModelRecord, backend: str)
         "shape": asdict(cfg.variant.shape),
         "backend": backend,
         "compiler_args": compiler_args(cfg, backend),
-        "compiler_env": compiler_env() if backend == "neuron" else {},
+        "compiler_env": backend_entry(backend).compiler_env(),
     }
 
 
@@ -129,27 +120,20 @@ def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain:
     return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain, "code": code_of("trace")})
 
 
-# BUILD_CODE (pipeline/backends/build_code.py): the code that makes a backend's rank files, what the version's inputs
-# digest hashes. The build fingerprint hashes all of CODE["trace"] (any backend's code, as dvc.yaml does), so an edit
-# anywhere there rebuilds; only an edit in BUILD_CODE can make other bytes, and so a new version.
-# The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not), per
-# backend. cpu keeps the tuple it was published with (the Neuron names are null there): a new tuple would rename every
-# published cpu version without changing a byte.
-NEURON_BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
-BUILD_PACKAGES = {"cpu": NEURON_BUILD_PACKAGES, "neuron": NEURON_BUILD_PACKAGES, "xla": ("torch", "torch-xla")}
-
-
 def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
     """Digest of exactly what decides the rank files' bytes; the version names its start (package.version_name).
 
+    The backend's entry (pipeline/backends/registry.py) names the packages and the code (pipeline/backends/
+    build_code.py) that do. The build fingerprint hashes all of CODE["trace"] (any backend's code, as dvc.yaml does),
+    so an edit anywhere there rebuilds; only an edit in the build code can make other bytes, and so a new version.
     Narrower than the build fingerprint, which also rebuilds on what only might change them (the host's Neuron system
     packages, another backend's code, transformers): such a rebuild gives the same files under the same version, and
     publishing it is a no-op.
     """
-    versions = compiler_versions(toolchain)
+    versions, entry = compiler_versions(toolchain), backend_entry(backend)
     return fingerprint(build_settings(cfg, model_record, backend) | {
-        "packages": {name: versions.get(name) for name in BUILD_PACKAGES[backend]},
-        "code": code_digest(*BUILD_CODE[backend]),
+        "packages": {name: versions.get(name) for name in entry.build_packages},
+        "code": code_digest(*entry.build_code),
     })
 
 
@@ -170,10 +154,10 @@ def run(cfg: PipelineConfig) -> StageResult:
     fp = build_fingerprint(cfg, model_record, toolchain, backend)
     if not cfg.force and is_built(paths, fp):
         log.info("trace: %s is up to date (%s)", cfg.variant.name, paths.build)
-        return StageResult("trace", "skipped")
+        return StageResult("trace", StageStatus.skipped)
     for stale in clean_stale_temps(paths.variant_dir):
         log.warning("trace: removed %s left by an interrupted run", stale)
-    impl = get_backend(backend)
+    impl = backend_entry(backend).create()
     req = request(cfg, backend)
     impl.check(req)  # e.g. the neuron backend's packages: said before anything else
     compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
@@ -205,7 +189,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     ).write(paths.build_record)
     log.info("trace: %s built in %.1f s, peak RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
              traced["peak_rss_bytes"] / 1e9)
-    return StageResult("trace", "ran", time.monotonic() - started)
+    return StageResult("trace", StageStatus.ran, time.monotonic() - started)
 
 
 def compiler_versions(toolchain: dict) -> dict:

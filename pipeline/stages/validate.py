@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
-from pipeline.backends import get_backend
+from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
@@ -44,10 +44,10 @@ from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
 from pipeline.recipe.spec import load_spec
-from pipeline.stages import StageResult, code_of
+from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
-from pipeline.validation.worker import select_prompts
+from pipeline.validation.worker import ValidationJob, select_prompts
 
 TAIL_LINES = 20  # of the worker's output, in the error when it could not run
 
@@ -56,12 +56,12 @@ def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
     """A neuron build is validated against a throughput floor for its hardware, or not at all: without one the gate
     would pass anything, and a release would ship unmeasured."""
     key, _ = cfg.validate.throughput.floor(backend, hardware)
-    if backend == "neuron" and key is None:
-        known = sorted(cfg.validate.throughput.floors.get("neuron", {}))
-        raise ConfigError(f"hardware={hardware!r} has no neuron throughput floor (validate.throughput.floors.neuron "
-                          f"has {known}): validate neuron builds on an inf2 host (hardware=auto detects its instance "
-                          "type), name it (hardware=inf2_8xlarge), or add validate.throughput.floors.neuron."
-                          f"{hardware} for this hardware")
+    if backend_entry(backend).for_inferentia and key is None:
+        known = sorted(cfg.validate.throughput.floors.get(backend, {}))
+        raise ConfigError(f"hardware={hardware!r} has no {backend} throughput floor (validate.throughput.floors."
+                          f"{backend} has {known}): validate {backend} builds on an inf2 host (hardware=auto detects "
+                          "its instance type), name it (hardware=inf2_8xlarge), or add validate.throughput.floors."
+                          f"{backend}.{hardware} for this hardware")
 
 
 def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference: dict, hardware: str) -> str:
@@ -77,7 +77,7 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference: dict
     })
 
 
-def run_fresh(job: dict, host: preflight.Resources | None = None, need: preflight.Need | None = None,
+def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need: preflight.Need | None = None,
               env: dict | None = None) -> dict:
     """Run the validation job in a new interpreter; returns its metrics or raises what it raised.
 
@@ -88,7 +88,7 @@ def run_fresh(job: dict, host: preflight.Resources | None = None, need: prefligh
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     with tempfile.TemporaryDirectory(prefix="gemma4-validate-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
+        job_path.write_text(json.dumps(job.to_json()))
         with subprocess.Popen([sys.executable, "-m", "pipeline.validation.worker", str(job_path), str(result_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                               env={**os.environ, **(env or {}), **relay_env()}) as proc:
@@ -188,67 +188,52 @@ def failure_table(report: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: PipelineConfig) -> StageResult:
+def worker_job(cfg: PipelineConfig, manifest: Manifest, reference: dict, chosen: list[int]) -> ValidationJob:
+    """What the fresh validation process is given (pipeline/validation/worker.py)."""
     paths = Paths.of(cfg)
-    manifest = package_stage.load(cfg)
-    hardware = preflight.resolve_hardware(cfg.hardware.name)
-    require_floor(cfg, manifest.backend, hardware)
-    reference, _ = reference_stage.load(cfg)
-    fp = metrics_fingerprint(cfg, manifest, reference, hardware)
-    previous = read_record(paths.validation_report)
-    if (not cfg.force and previous and previous.get("fingerprint") == fp and paths.metrics.exists()
-            and previous.get("gates", {}).get("passed")):
-        log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
-        return StageResult("validate", "skipped")
-    shape = manifest.shape
-    chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
-                                      cfg.validate.prompt_names)
-    backend = manifest.backend
-    get_backend(backend).check_load(shape)  # before the preflight, the signature and the archive
-    est = preflight.estimate(load_spec(paths.weights), shape, backend, cfg.model.resources.get(backend))
-    need = preflight.validate_need(est.resources, backend, shape, est.describe())
-    host = preflight.check(need, cfg.preflight)
-    sig = cfg.package.signing
-    accepted = signing.check(paths.dist, manifest.archive.name, sig.verifying_key(), sig.allow_unsigned,
-                             f"the artifact in {paths.dist}")
-    log.info("validate: %s signature %s", cfg.variant.name, accepted)
-    started = time.monotonic()
-    job = {
-        "manifest": manifest.to_json(),
-        "archive": str((paths.dist / manifest.archive.name).resolve()),
-        "reference": reference,
-        "reference_tensors": str(paths.reference_tensors.resolve()),
-        "prompts": chosen,
-        "parity": asdict(cfg.validate.parity),
-        "throughput": asdict(cfg.validate.throughput),
-        "weights": str(paths.weights.resolve()),
-        "text_prefix": cfg.model.text_prefix,
-        "head_key": cfg.model.head_key,
-        "workdir": str((paths.variant_dir / "validate").resolve()),
-        "warmup_prompts": cfg.validate.warmup_prompts,
-    }
-    log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest.version,
-             [reference["prompts"][i]["name"] for i in chosen])
+    return ValidationJob(
+        manifest=manifest.to_json(),
+        archive=str((paths.dist / manifest.archive.name).resolve()),
+        reference=reference,
+        reference_tensors=str(paths.reference_tensors.resolve()),
+        prompts=chosen,
+        parity=asdict(cfg.validate.parity),
+        throughput=asdict(cfg.validate.throughput),
+        weights=str(paths.weights.resolve()),
+        text_prefix=cfg.model.text_prefix,
+        head_key=cfg.model.head_key,
+        workdir=str((paths.variant_dir / "validate").resolve()),
+        warmup_prompts=cfg.validate.warmup_prompts,
+    )
+
+
+def measure_in_fresh_process(cfg: PipelineConfig, manifest: Manifest, job: ValidationJob, host: preflight.Resources,
+                             need: preflight.Need) -> dict:
+    """Run the job in its own process, which gets its own NeuronCores where its backend runs on them (held until it
+    ends), and return what it measured."""
     with contextlib.ExitStack() as held:
         env = None
-        if manifest.backend == "neuron":  # the validation process gets its own NeuronCores, held until it ends
-            from pipeline.backends.neuron import core_lease
-
-            lease = core_lease(shape.tp_degree, cfg.backend.visible_cores, f"validating {cfg.variant.name}",
-                               host.neuron_cores)
+        lease = backend_entry(manifest.backend).lease_cores(
+            manifest.shape, cfg.backend.visible_cores, f"validating {cfg.variant.name}", host.neuron_cores)
+        if lease is not None:
             held.callback(lease.release)
             env = lease.env()
-        measured = run_fresh(job, host, need, env)
-    gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured["throughput"])
-    gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
-    gates["passed"] = all(gates.values())
+        return run_fresh(job, host, need, env)
+
+
+def write_records(cfg: PipelineConfig, manifest: Manifest, measured: dict, facts: dict, gate: dict,
+                  gates: dict) -> None:
+    """metrics.json, validation.json (written last: its fingerprint says all is written) and the plot rows.
+    ``facts``: the record's fields known before the measurement (fingerprint, hardware, coverage, signature,
+    preflight)."""
+    paths = Paths.of(cfg)
     atomic_write_json(paths.metrics, headline(measured))
-    atomic_write_json(paths.validation_report, {  # the record, written last: its fingerprint says all is written
-        "fingerprint": fp, "version": manifest.version, "archive_sha256": manifest.archive.sha256,
-        "backend": manifest.backend, "hardware": hardware, "coverage": coverage, "signature": accepted,
-        "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record(),
-                      "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                   "validation_peak_rss_mb": measured["peak_rss_mb"]}},
+    atomic_write_json(paths.validation_report, {
+        "fingerprint": facts["fingerprint"], "version": manifest.version, "archive_sha256": manifest.archive.sha256,
+        "backend": manifest.backend, "hardware": facts["hardware"], "coverage": facts["coverage"],
+        "signature": facts["signature"],
+        "preflight": facts["preflight"] | {"measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
+                                                         "validation_peak_rss_mb": measured["peak_rss_mb"]}},
         "gates": gates, "throughput_gate": gate,
         "parity": measured["parity"],
         # throughput: the summary. tokens_per_s is decode speed at the slowest context (1 / mean decode step);
@@ -262,21 +247,62 @@ def run(cfg: PipelineConfig) -> StageResult:
     atomic_write_json(paths.plot_rows, [
         {"context": name, **{k: c[k] for k in ("context_tokens", "tokens_per_s", "ms_per_token", "ttft_ms")}}
         for name, c in sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])])
+
+
+def judge(cfg: PipelineConfig, measured: dict, gate: dict, gates: dict, where: str) -> None:
+    """Log the parity and throughput tables (``where``: backend/hardware); raise for the first gate that failed."""
     log.info("validate: %s parity (%s):\n%s", cfg.variant.name, measured["parity"]["mode"],
              parity_table(measured["report"]))
-    log.info("validate: %s throughput on %s/%s:\n%s", cfg.variant.name, manifest.backend, hardware,
+    log.info("validate: %s throughput on %s:\n%s", cfg.variant.name, where,
              throughput_table(measured["contexts"], gate))
     if not gates["parity"]:
         par = measured["parity"]
         raise ParityError(f"{cfg.variant.name}: parity failed ({par['mode']}) on "
                           f"{par['prompts'] - par['prompts_matched']} of {par['prompts']} prompts:\n"
                           + failure_table(measured["report"])
-                          + f"\nfull report: {paths.variant_dir / 'validation.json'}")
+                          + f"\nfull report: {Paths.of(cfg).variant_dir / 'validation.json'}")
     if not gates["throughput"]:
         raise ThroughputError(f"{cfg.variant.name}: throughput below the {gate['floor']} floor:\n"
                               + throughput_table(measured["contexts"], gate))
+
+
+def run(cfg: PipelineConfig) -> StageResult:
+    paths = Paths.of(cfg)
+    manifest = package_stage.load(cfg)
+    hardware = preflight.resolve_hardware(cfg.hardware.name)
+    require_floor(cfg, manifest.backend, hardware)
+    reference, _ = reference_stage.load(cfg)
+    fp = metrics_fingerprint(cfg, manifest, reference, hardware)
+    previous = read_record(paths.validation_report)
+    if (not cfg.force and previous and previous.get("fingerprint") == fp and paths.metrics.exists()
+            and previous.get("gates", {}).get("passed")):
+        log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
+        return StageResult("validate", StageStatus.skipped)
+    shape = manifest.shape
+    chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
+                                      cfg.validate.prompt_names)
+    backend, entry = manifest.backend, backend_entry(manifest.backend)
+    entry.create().check_load(shape)  # before the preflight, the signature and the archive
+    est = preflight.estimate(load_spec(paths.weights), shape, entry, cfg.model.resources.get(backend))
+    need = preflight.validate_need(est.resources, entry, shape, est.describe())
+    host = preflight.check(need, cfg.preflight)
+    sig = cfg.package.signing
+    accepted = signing.check(paths.dist, manifest.archive.name, sig.verifying_key(), sig.allow_unsigned,
+                             f"the artifact in {paths.dist}")
+    log.info("validate: %s signature %s", cfg.variant.name, accepted)
+    started = time.monotonic()
+    log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest.version,
+             [reference["prompts"][i]["name"] for i in chosen])
+    measured = measure_in_fresh_process(cfg, manifest, worker_job(cfg, manifest, reference, chosen), host, need)
+    gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured["throughput"])
+    gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
+    gates["passed"] = all(gates.values())
+    facts = {"fingerprint": fp, "hardware": hardware, "coverage": coverage, "signature": accepted,
+             "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record()}}
+    write_records(cfg, manifest, measured, facts, gate, gates)
+    judge(cfg, measured, gate, gates, f"{manifest.backend}/{hardware}")
     log.info("validate: %s passed every gate", cfg.variant.name)
-    return StageResult("validate", "ran", time.monotonic() - started)
+    return StageResult("validate", StageStatus.ran, time.monotonic() - started)
 
 
 def load(cfg: PipelineConfig) -> dict:

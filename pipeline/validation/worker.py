@@ -19,6 +19,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -236,34 +237,62 @@ def _namespace(obj):
     return obj
 
 
-def run_job(job: dict) -> dict:
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class ValidationJob:
+    """What the stage gives the fresh process (JOB.json): the build, the float reference, and the settings the
+    verdicts and the measurement follow."""
 
+    manifest: dict  # Manifest.to_json(): read back, and so checked, by Manifest.from_json here
+    archive: str
+    reference: dict  # reference.json
+    reference_tensors: str
+    prompts: list[int]  # indices into reference["prompts"]
+    parity: dict  # validate.parity
+    throughput: dict  # validate.throughput
+    weights: str
+    text_prefix: str
+    head_key: str
+    workdir: str  # the unpacked ranks go into a fresh folder beside it
+    warmup_prompts: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ValidationJob:
+        expected = {f.name for f in fields(cls)}
+        if set(data) != expected:
+            raise InputError(f"the validation job has keys {sorted(set(data) - expected)} it should not, and lacks "
+                             f"{sorted(expected - set(data))}: the stage and the worker are of different versions "
+                             "of the pipeline (reinstall it)")
+        return cls(**data)
+
+
+def run_job(job: ValidationJob) -> dict:
+    """Verify, unpack and load the build, judge its parity on the chosen prompts, then measure its throughput: the
+    metrics RESULT.json holds."""
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = Manifest.from_json(job["manifest"], "the validation job's manifest")
+    manifest = Manifest.from_json(job.manifest, "the validation job's manifest")
     shape = manifest.shape
-    reference = job["reference"]
-    parity = _namespace(job["parity"])
+    reference = job.reference
+    parity = _namespace(job.parity)
     mode = getattr(parity, shape.dtype)
     max_new = reference["max_new_tokens"]
-    chosen = job["prompts"]
-    if sha256_file(job["reference_tensors"]) != reference["logits_file"]["sha256"]:
-        raise StaleInputError(f"{job['reference_tensors']} does not match reference.json: "
-                              "run stage=reference force=true")
-    tensors = load_file(job["reference_tensors"])
-    explainer = Explainer(job["weights"])
+    chosen = job.prompts
+    tensors = reference_tensors(job)
+    explainer = Explainer(job.weights)
 
-    work = temp_dir_beside(Path(job["workdir"]))
+    work = temp_dir_beside(Path(job.workdir))
     started = time.monotonic()
     try:
         with reporting_full_disk(work, "validate: unpacking the archive"):
-            ranks = extract_verified(Path(job["archive"]), manifest, work / "ranks")
+            ranks = extract_verified(Path(job.archive), manifest, work / "ranks")
         unpacked = time.monotonic()
-        spec = load_spec(job["weights"])
-        with Checkpoint(job["weights"], job["text_prefix"], job["head_key"]) as ckpt:
+        spec = load_spec(job.weights)
+        with Checkpoint(job.weights, job.text_prefix, job.head_key) as ckpt:
             host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
             with get_backend(manifest.backend).load(ranks, shape) as runner:
                 loaded = time.monotonic()
@@ -272,24 +301,20 @@ def run_job(job: dict) -> dict:
                 gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
                 gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
                 first = reference["prompts"][chosen[0]]["input_ids"]
-                for _ in range(job["warmup_prompts"]):
+                for _ in range(job.warmup_prompts):
                     gen.generate(first, max_new)  # first-call costs, never timed
                 report = [check_prompt(gen, reference, i, tensors, shape, mode, parity, explainer, (n, len(chosen)))
                           for n, i in enumerate(chosen, 1)]
                 parity_done = time.monotonic()
                 filler = [t for p in reference["prompts"] for t in p["input_ids"]]
-                measured = measure_throughput(gen, shape, _namespace(job["throughput"]), filler)
+                measured = measure_throughput(gen, shape, _namespace(job.throughput), filler)
                 threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
     return {
-        "parity": {"mode": mode, "passed": all(r["passed"] for r in report), "prompts": len(report),
-                   "prompts_matched": sum(r["passed"] for r in report),
-                   "teacher_forced_match": round(min(shares), 4) if shares else None,
-                   "max_abs_dlogit": round(max(r["max_abs_dlogit"] for r in report), 6)},
+        "parity": parity_summary(mode, report),
         "throughput": measured["summary"],
         "contexts": measured["contexts"],
         "costs_s": {"verify_unpack": round(unpacked - started, 3), "load": round(loaded - unpacked, 3),
@@ -301,13 +326,32 @@ def run_job(job: dict) -> dict:
     }
 
 
+def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
+    """The reference's logits, refused if they are not the ones reference.json was written with."""
+    from safetensors.torch import load_file
+
+    if sha256_file(job.reference_tensors) != job.reference["logits_file"]["sha256"]:
+        raise StaleInputError(f"{job.reference_tensors} does not match reference.json: "
+                              "run stage=reference force=true")
+    return load_file(job.reference_tensors)
+
+
+def parity_summary(mode: str, report: list[dict]) -> dict:
+    """The prompts' verdicts in one: passed only if every prompt passed, and the worst figures."""
+    shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
+    return {"mode": mode, "passed": all(r["passed"] for r in report), "prompts": len(report),
+            "prompts_matched": sum(r["passed"] for r in report),
+            "teacher_forced_match": round(min(shares), 4) if shares else None,
+            "max_abs_dlogit": round(max(r["max_abs_dlogit"] for r in report), 6)}
+
+
 def main(argv: list[str]) -> int:
     setup()  # records go to the stage as JSON lines, which it logs as its own (pipeline/core/log.py, relay)
     # The stage that started this process holds its NeuronCores' lease: never outlive it (a killed stage's lease is
     # released by the kernel, and another run may then be given the cores this process still uses).
     die_with_parent()
     job_path, result_path = Path(argv[0]), Path(argv[1])
-    job = json.loads(job_path.read_text())
+    job = ValidationJob.from_json(json.loads(job_path.read_text()))
     # One thread for everything but host prefill, which the Generator runs on every usable CPU (its thread policy,
     # recorded in validation.json): the decode loop and the comparisons are measured as a server runs them.
     torch.set_num_threads(1)
