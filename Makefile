@@ -25,9 +25,11 @@ VENV_LOWEST ?= .venv-lowest
 # torch's TorchScript writer).
 VERSION_MARKS := across_versions and not cluster and not container
 # Every pytest run below uses both cores (pytest-xdist; tests/conftest.py builds what tests share once per run).
+# worksteal: a worker that runs out of tests takes some of the other's, so a few long tests at the end of a run (the
+# slow ones are minutes each) do not leave a core idle. The 15 slowest are printed: where a target's time goes.
 # PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
-XDIST = -n $(PYTEST_WORKERS)
+XDIST = -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
 .PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest test-cluster slurm-packages \
 	constraints lock lint dvc-demo clean-artifacts container-packages container-base test-container

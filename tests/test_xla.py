@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from pipeline.config import available_variants
 from pipeline.core.errors import BuildError, IntegrityError
 from pipeline.core.shape import BuildShape
 
+from .conftest import built_once
 from .helpers import CONF, FAST_VALIDATE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,25 +118,34 @@ def build(root: Path, variant: str, *overrides: str) -> subprocess.CompletedProc
     return cli(f"+variant={variant}", "backend=xla", f"artifacts_dir={root}", *FAST_VALIDATE, *overrides)
 
 
+def one_rank_name(variant: str) -> str:
+    """The folder a build of ``variant`` at tp_degree 1 goes into: its derived name (pipeline/run.py derived_name),
+    never the shipped variant's."""
+    return f"{variant}+tp1"
+
+
 def trace_record(root: Path, variant: str) -> dict:
     return json.loads((root / "gemma4_tiny" / variant / "build.json").read_text())["trace"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_rank(tmp_path_factory) -> Path:
-    """512_fp32 at tp_degree 1 on torch-xla, every stage: traced, packaged, validated token for token, published."""
-    root = tmp_path_factory.mktemp("xla") / "artifacts"
-    proc = build(root, "512_fp32", "variant.tp_degree=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+    """512_fp32 at tp_degree 1 on torch-xla, every stage: traced, packaged, validated token for token, published.
+    Built once per run and shared between workers: a test that rebuilds works on a copy."""
+    def make(folder: Path) -> Path:
+        proc = build(folder / "artifacts", "512_fp32", "variant.tp_degree=1")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return folder / "artifacts"
+
+    return built_once(tmp_path_factory, "xla-one-rank", make)
 
 
 @needs_torch_xla
 def test_fp32_on_the_xla_device_matches_the_reference_token_for_token(one_rank):
-    metrics = json.loads((one_rank / "gemma4_tiny" / "512_fp32" / "metrics.json").read_text())
+    metrics = json.loads((one_rank / "gemma4_tiny" / one_rank_name("512_fp32") / "metrics.json").read_text())
     assert metrics["parity"]["mode"] == "exact" and metrics["parity"]["passed"]
     published = sorted(p.name for p in (one_rank / "published").iterdir() if not p.name.startswith("."))
-    assert any(name.startswith("512_fp32") for name in published)
+    assert one_rank_name("512_fp32") in published  # the variant's folder of the publish repository
 
 
 @needs_torch_xla
@@ -142,7 +153,7 @@ def test_the_build_record_holds_what_the_compiler_would_see_and_what_running_it_
     from pipeline.recipe.spec import load_spec
 
     spec = load_spec(tiny_dir)
-    trace = trace_record(one_rank, "512_fp32")
+    trace = trace_record(one_rank, one_rank_name("512_fp32"))
     (rank,) = trace["ranks"]
     assert sorted(rank["graphs"]) == ["decode", "prefill"]
     decode, prefill = rank["graphs"]["decode"], rank["graphs"]["prefill"]
@@ -162,7 +173,7 @@ def test_the_build_record_holds_what_the_compiler_would_see_and_what_running_it_
 
 @needs_torch_xla
 def test_the_preflights_estimate_covers_what_the_xla_processes_used(one_rank):
-    variant = one_rank / "gemma4_tiny" / "512_fp32"
+    variant = one_rank / "gemma4_tiny" / one_rank_name("512_fp32")
     built = json.loads((variant / "build.json").read_text())["preflight"]
     figures = built["estimate"]["resources_gb"]
     assert 0 < built["measured"]["graph_peak_rss_bytes"] <= figures["trace_per_graph_gb"] * 2**30
@@ -171,11 +182,13 @@ def test_the_preflights_estimate_covers_what_the_xla_processes_used(one_rank):
 
 
 @needs_torch_xla
-def test_a_rebuild_lowers_the_same_graphs_and_writes_the_same_bytes(one_rank):
-    before = trace_record(one_rank, "512_fp32")
-    proc = build(one_rank, "512_fp32", "variant.tp_degree=1", "stage=trace", "force=true")
+def test_a_rebuild_lowers_the_same_graphs_and_writes_the_same_bytes(one_rank, tmp_path):
+    root = tmp_path / "artifacts"
+    shutil.copytree(one_rank, root, symlinks=True)
+    before = trace_record(root, one_rank_name("512_fp32"))
+    proc = build(root, "512_fp32", "variant.tp_degree=1", "stage=trace", "force=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after = trace_record(one_rank, "512_fp32")
+    after = trace_record(root, one_rank_name("512_fp32"))
     assert after["members"] == before["members"]
     assert after["ranks"][0]["graphs"] == before["ranks"][0]["graphs"]
 
@@ -187,21 +200,24 @@ def test_bf16_passes_its_logits_mode(tmp_path, variant):
     root = tmp_path / "artifacts"
     proc = build(root, variant, "variant.tp_degree=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((root / "gemma4_tiny" / variant / "metrics.json").read_text())
+    metrics = json.loads((root / "gemma4_tiny" / one_rank_name(variant) / "metrics.json").read_text())
     assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"]
-    (rank,) = trace_record(root, variant)["ranks"]
+    (rank,) = trace_record(root, one_rank_name(variant))["ranks"]
     assert len(rank["graphs"]) == (1 if variant.endswith("_host") else 2)
     assert rank["checks"]["compiles_after_warm_up"] == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> Path:
-    """An artifacts folder with the toolchain (backend=xla) and the tiny model: what the trace stage reads."""
-    root = tmp_path_factory.mktemp("held_in") / "artifacts"
-    for stage in ("toolchain", "model"):
-        proc = cli("+variant=512_fp32", "backend=xla", f"artifacts_dir={root}", f"stage={stage}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+    """An artifacts folder with the toolchain (backend=xla) and the tiny model: what the trace stage reads. Shared
+    between workers: each test traces its own variant there, under the stage locks."""
+    def make(folder: Path) -> Path:
+        for stage in ("toolchain", "model"):
+            proc = cli("+variant=512_fp32", "backend=xla", f"artifacts_dir={folder / 'artifacts'}", f"stage={stage}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return folder / "artifacts"
+
+    return built_once(tmp_path_factory, "xla-prepared", make)
 
 
 @needs_torch_xla
@@ -248,7 +264,7 @@ def test_a_bucket_that_would_make_a_graph_dynamic_is_refused_before_lowering(tmp
     root = tmp_path / "artifacts"
     proc = build(root, "512_fp32", "variant.tp_degree=1", "variant.bucket=100")
     assert proc.returncode != 0 and "variant.kv_max=512 is not a multiple of variant.bucket=100" in proc.stderr
-    assert not (root / "gemma4_tiny" / "512_fp32").exists()
+    assert not list((root / "gemma4_tiny").glob("512_fp32*"))  # neither the variant's folder nor a derived one
 
 
 # -- the checks, each broken once (in this process, on torch-xla) ----------------------------------------------------
@@ -367,7 +383,7 @@ def test_an_unlisted_operator_fails_the_trace_naming_graph_op_and_recipe_line(xl
 
 
 def test_a_loaded_rank_refuses_other_code_and_a_graph_other_than_the_one_traced(xla_rank_module, one_rank):
-    saved = torch.load(one_rank / "gemma4_tiny" / "512_fp32" / "build" / "tp_0.pt", weights_only=True)
+    saved = torch.load(one_rank / "gemma4_tiny" / one_rank_name("512_fp32") / "build" / "tp_0.pt", weights_only=True)
     shape = BuildShape(512, 128, "fp32", "device", 1)
     with pytest.raises(IntegrityError, match="built by other code than this checkout's"):
         xla_rank_module.LoadedRank(saved | {"code": "0" * 64}, shape)  # as if built by another pipeline version
