@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 from pipeline.backends.packages import neuron_devices, neuron_packages_present, package_problem
-from pipeline.backends.registry import BACKENDS, backend_entry
 from pipeline.core.log import log
 
-__all__ = ["BACKENDS", "backend_entry", "get_backend", "neuron_devices", "neuron_packages_present", "package_problem",
-           "resolve"]
+__all__ = ["get_backend", "neuron_devices", "neuron_packages_present", "package_problem", "resolve"]
 
 
 def resolve(name: str) -> str:
@@ -23,5 +21,8 @@ def resolve(name: str) -> str:
 
 
 def get_backend(name: str):
-    """The ``Backend`` named ``name`` (its entry in pipeline/backends/registry.py)."""
+    """The ``Backend`` named ``name`` (its entry in pipeline/backends/registry.py; imported here, not above: a rank
+    process imports this package and needs no configuration schema)."""
+    from pipeline.backends.registry import backend_entry
+
     return backend_entry(name).create()

@@ -89,9 +89,10 @@ class BackendEntry:
         """Environment that changes what neuronx-cc produces (optimum-neuron#457: NEURON_CC_FLAGS changes the code)."""
         return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")} if self.neuronx_cc else {}
 
-    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int:
-        """Bytes its trace writes in the compiler's work folder beyond ``resources.disk_gb``."""
-        return 0
+    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int | None:
+        """Bytes its trace writes in the compiler's work folder beyond ``resources.disk_gb`` (None: it writes none
+        there)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,11 @@ class NeuronEntry(BackendEntry):
 
         return core_lease(shape.tp_degree, visible_cores, what, host_cores)
 
-    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int:
+    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int | None:
         # ModelBuilder writes every rank's slice of the weights into its work folder before loading them back
         # (tp{rank}_sharded_checkpoint.safetensors: NxD v2.28.0 trace/model_builder.py:764-773, 984): all ranks'
         # bytes again, on the work folder's file system, beside its compiler files.
-        return weights.ranks if shape.prefill == "device" else 0
+        return weights.ranks if shape.prefill == "device" else None
 
 
 @dataclass(frozen=True)

@@ -281,9 +281,9 @@ def main(argv: list[str]) -> int:
     from pipeline.backends import resolve
     from pipeline.backends.registry import backend_entry
     from pipeline.config import available_variants
+    from pipeline.host import preflight
     from pipeline.run import CONF_DIR, run_pipeline
     from pipeline.stages import SHARED
-    from pipeline.stages import trace as trace_stage
 
     args = parse_args(argv)
     setup()
@@ -303,8 +303,10 @@ def main(argv: list[str]) -> int:
                 shared.stage = stage
                 run_pipeline(shared)
         spec = checkpoint_spec(first)  # every variant builds the same checkpoint (the overrides are shared)
-        plans = [variant_tasks(v, backend, c.variant.shape, trace_stage.estimate(c, backend, spec).resources,
-                               c.backend.max_parallel, quiet) for v, c in configs.items()]
+        entry = backend_entry(backend)
+        plans = [variant_tasks(v, backend, c.variant.shape, preflight.estimate(
+            spec, c.variant.shape, entry, c.model.resources.get(backend)).resources, c.backend.max_parallel, quiet)
+                 for v, c in configs.items()]
         for plan in plans:
             log.info("schedule: %s needs %s", plan[0].variant,
                      ", ".join(f"{t.name} {t.memory / GIB:.1f} GiB" for t in plan))

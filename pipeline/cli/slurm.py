@@ -44,12 +44,13 @@ def variant_request(cfg, cpus_per_task: int | None) -> Request:
     """The larger of the variant's build and validate needs (bytes, rounded up to whole GiB), and its CPUs: the
     launcher's ``cpus_per_task`` when set (an inf2 node's every vCPU), else one per rank."""
     from pipeline.backends import resolve
+    from pipeline.backends.registry import backend_entry
     from pipeline.cli.schedule import checkpoint_spec, variant_tasks
-    from pipeline.stages import trace as trace_stage
+    from pipeline.host import preflight
 
     backend = resolve(cfg.backend.name)
     shape = cfg.variant.shape
-    estimate = trace_stage.estimate(cfg, backend, checkpoint_spec(cfg))
+    estimate = preflight.estimate(checkpoint_spec(cfg), shape, backend_entry(backend), cfg.model.resources.get(backend))
     tasks = variant_tasks(cfg.variant.name, backend, shape, estimate.resources, cfg.backend.max_parallel)
     memory = max(task.memory for task in tasks)
     return Request(cfg.variant.name, max(1, math.ceil(memory / GIB)), cpus_per_task or shape.tp_degree)

@@ -8,8 +8,8 @@ their code deps are its one unavoidable copy, held to it by tests/test_dvc.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from pipeline.core.choices import StrEnum
 from pipeline.core.records import code_digest
 
 
@@ -65,7 +65,8 @@ STAGES = (  # in the order they run
     Stage("package", StageScope.variant, "build", ("stages/package.py", "artifact")),
     Stage("validate", StageScope.variant, "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact",
                                                        "recipe", "backends")),
-    Stage("publish", StageScope.variant, "publish", ("stages/publish.py", "publishing", "artifact")),
+    Stage("publish", StageScope.variant, "publish", ("stages/publish.py", "publishing", "artifact",
+                                                     "backends/registry.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 ORDER = tuple(BY_NAME)

@@ -96,7 +96,7 @@ def preflight_need(cfg: PipelineConfig, backend: str, est: preflight.Estimate) -
     if Path(".dvc/cache").is_dir():  # dvc repro copies (or links) every output into its cache
         disk_paths.append(Path(".dvc/cache").resolve())
     work_bytes = entry.work_folder_bytes(cfg.variant.shape, est.weights)
-    extra = {compiler_workdir(cfg) or paths.variant_dir: work_bytes} if work_bytes else {}
+    extra = {compiler_workdir(cfg) or paths.variant_dir: work_bytes} if work_bytes is not None else {}
     return preflight.trace_need(est.resources, entry, cfg.variant.shape, cfg.backend.max_parallel, disk_paths,
                                 est.describe(), extra)
 

@@ -351,12 +351,12 @@ def main(argv: list[str]) -> int:
     # released by the kernel, and another run may then be given the cores this process still uses).
     die_with_parent()
     job_path, result_path = Path(argv[0]), Path(argv[1])
-    job = ValidationJob.from_json(json.loads(job_path.read_text()))
+    job = json.loads(job_path.read_text())
     # One thread for everything but host prefill, which the Generator runs on every usable CPU (its thread policy,
     # recorded in validation.json): the decode loop and the comparisons are measured as a server runs them.
     torch.set_num_threads(1)
     try:
-        result = {"ok": True, "metrics": run_job(job)}
+        result = {"ok": True, "metrics": run_job(ValidationJob.from_json(job))}
     except KeyboardInterrupt:  # the stage process was interrupted too, and says so
         return 130
     except PipelineError as exc:  # the stage raises it again, as the same class (its message says what to fix)
