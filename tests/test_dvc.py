@@ -131,6 +131,8 @@ def repo(first_repro) -> Path:
     return first_repro[0]
 
 
+# first_repro builds two variants through `dvc repro` (two minutes on 2 cores): make test-slow runs these
+@pytest.mark.slow
 def test_dvc_repro_builds_every_listed_variant(first_repro):
     repo, out = first_repro
     assert {"toolchain", "model", "reference"} <= set(ran(out))
@@ -143,11 +145,13 @@ def test_dvc_repro_builds_every_listed_variant(first_repro):
     assert all(f"artifacts/gemma4_tiny/{v}/metrics.json" in shown for v in VARIANTS)
 
 
+@pytest.mark.slow
 def test_a_second_repro_runs_only_the_toolchain(repo):
     out = dvc(repo, "repro")
     assert ran(out) == ["toolchain"]
 
 
+@pytest.mark.slow
 def test_dvc_repro_then_a_direct_run_rebuilds_nothing(repo):
     """The other order: after `dvc repro`, the same build run by hand skips every stage, and DVC still sees
     everything up to date."""
@@ -162,6 +166,7 @@ def test_dvc_repro_then_a_direct_run_rebuilds_nothing(repo):
     assert dvc(repo, "status").split() == ["toolchain:", "always", "changed"]
 
 
+@pytest.mark.slow
 def test_editing_one_variant_rebuilds_only_that_variant(repo):
     """The trace stages depend on the conf/variant folder (params.yaml may list a derived name, whose file DVC cannot
     name), so DVC runs every variant's trace command; each skips by its fingerprint but the edited one, and DVC stops
@@ -179,6 +184,7 @@ def test_editing_one_variant_rebuilds_only_that_variant(repo):
     assert "package@512_fp32" not in ran(out)
 
 
+@pytest.mark.slow
 def test_metrics_diff_and_plots_read_cleanly(repo):
     """Commit a build's metrics with dvc.lock, validate again: the diff is figures only, the plots render."""
     for args in (["add", "-A"], ["commit", "-q", "-m", "build"]):
@@ -198,6 +204,7 @@ def test_metrics_diff_and_plots_read_cleanly(repo):
         assert lengths == [16, kv_max // 2, kv_max - 16 - 1]  # short, half, near kv_max
 
 
+@pytest.mark.slow
 def test_dvc_push_and_pull_restore_the_artifacts_from_a_remote(repo, tmp_path):
     dvc(repo, "remote", "add", "--local", "-d", "shared", str(tmp_path / "remote"))
     dvc(repo, "push")

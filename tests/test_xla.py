@@ -382,6 +382,7 @@ def test_an_unlisted_operator_fails_the_trace_naming_graph_op_and_recipe_line(xl
         xla_rank_module.check_operators("decode", text)
 
 
+@needs_torch_xla  # skipped before one_rank (a session fixture, set up before xla_rank_module's own skip) builds
 def test_a_loaded_rank_refuses_other_code_and_a_graph_other_than_the_one_traced(xla_rank_module, one_rank):
     saved = torch.load(one_rank / "gemma4_tiny" / one_rank_name("512_fp32") / "build" / "tp_0.pt", weights_only=True)
     shape = BuildShape(512, 128, "fp32", "device", 1)
