@@ -21,7 +21,6 @@ lists none, the sha256 of the file as downloaded.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import urllib.request
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from packaging.utils import (
 )
 from packaging.version import InvalidVersion
 
-from pipeline.core.fsutil import CHUNK, atomic_write_text
+from pipeline.core.fsutil import atomic_write_text, sha256_stream
 
 LOCK_DIR = Path("deploy/lock")
 BASE_LOCK = LOCK_DIR / "inf2-base.txt"
@@ -88,11 +87,8 @@ def sha256_of(item: dict) -> str:
     hashes = (item.get("download_info", {}).get("archive_info") or {}).get("hashes") or {}
     if hashes.get("sha256"):
         return hashes["sha256"]
-    digest = hashlib.sha256()
     with urllib.request.urlopen(urldefrag(item["download_info"]["url"]).url, timeout=300) as response:
-        while chunk := response.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return sha256_stream(response)[1]
 
 
 def read(path: Path) -> list[Locked]:

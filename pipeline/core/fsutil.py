@@ -31,12 +31,19 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_stream(stream) -> tuple[int, str]:
+    """``(size, sha256)`` of what a binary stream gives until its end (a file, a pipe, a download), read in chunks:
+    archives can be many GB and are never held in memory."""
+    digest, size = hashlib.sha256(), 0
+    while chunk := stream.read(CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
 def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return sha256_stream(f)[1]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

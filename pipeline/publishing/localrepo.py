@@ -7,13 +7,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 from pathlib import Path
 
 from pipeline.core.errors import PublishError
-from pipeline.core.fsutil import CHUNK
+from pipeline.core.fsutil import CHUNK, sha256_stream
 from pipeline.core.names import repo_path
 
 GIT_IDENTITY = ["-c", "user.name=gemma4-neuron-pipeline", "-c", "user.email=pipeline@localhost",
@@ -86,13 +85,10 @@ class LocalRepo:
     def file_digest(self, revision: str, path: str) -> tuple[int, str] | None:
         """``(size, sha256)`` of one file of ``revision``, hashed as git streams it (None: no such file)."""
         repo_path(path, "a file of the repository")
-        digest, size = hashlib.sha256(), 0
         with subprocess.Popen(["git", "cat-file", "blob", f"{revision}:{path}"], cwd=self.path,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
-            while chunk := proc.stdout.read(CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-        return (size, digest.hexdigest()) if proc.returncode == 0 else None
+            found = sha256_stream(proc.stdout)
+        return found if proc.returncode == 0 else None
 
     def checkout_file(self, revision: str, path: str, dest: Path) -> None:
         """Stream one file of ``revision`` to ``dest``, a new file (archives can be many GB: never held in memory).
