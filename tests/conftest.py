@@ -5,8 +5,10 @@ is built once per test run through ``built_once``, by the first worker to ask, a
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,6 +27,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_addoption(parser):
     parser.addoption("--reverse", action="store_true",
                      help="run the tests in reverse order: a test that leans on an earlier test's side effects fails")
+    parser.addoption("--already-tested-with", metavar="CONSTRAINTS",
+                     help="deselect each across_versions test whose named distributions are all installed here at "
+                          "the versions CONSTRAINTS pins: the environment built from CONSTRAINTS runs it already")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +37,46 @@ def pytest_collection_modifyitems(config, items):
     # PYTEST_ARGS=--reverse`): module- and session-scoped fixtures are then built by what were the last tests.
     if config.getoption("--reverse"):
         items.reverse()
+    constraints = config.getoption("--already-tested-with")
+    if constraints:
+        pins = pinned_versions(Path(constraints))
+        same = [item for item in items if tested_at_these_versions(item, pins)]
+        if same:
+            config.hook.pytest_deselected(items=same)
+            items[:] = [item for item in items if item not in same]
+
+
+def canonical_name(distribution: str) -> str:
+    """A distribution's name as pip compares it (PEP 503: case, ``-``, ``_`` and ``.`` do not matter)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def pinned_versions(constraints: Path) -> dict[str, str]:
+    """``name==version`` lines of a pip constraints file (comments, options and markers dropped)."""
+    pins = {}
+    for line in constraints.read_text().splitlines():
+        requirement = line.split("#", 1)[0].split(";", 1)[0].strip()
+        if "==" in requirement and not requirement.startswith("-"):
+            name, version = requirement.split("==", 1)
+            pins[canonical_name(name.strip())] = version.strip()
+    return pins
+
+
+def tested_at_these_versions(item: pytest.Item, pins: dict[str, str]) -> bool:
+    """Whether every distribution the test's ``across_versions`` mark names is installed at its pin. A mark that names
+    none depends on every package (an end-to-end run, serve, the Hub): it is never deselected."""
+    marker = item.get_closest_marker("across_versions")
+    if marker is None or not marker.args:
+        return False
+    for distribution in marker.args:
+        try:
+            installed = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise pytest.UsageError(f"{item.nodeid}: its across_versions mark names {distribution!r}, which is not "
+                                    "installed: name the distribution as pip does") from None
+        if pins.get(canonical_name(distribution)) != installed:
+            return False
+    return True
 
 
 NEW_TOKENS = 32

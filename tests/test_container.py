@@ -2,8 +2,9 @@
 ``container``; needs root, podman, buildah and debootstrap: ``make container-packages``).
 
 No registry is reachable here, so the base image is made from Debian's own packages: ``debootstrap`` a bookworm with
-python3, python3-venv and git, then ``podman import`` it. Both images are built from it (``--target build``,
-``--target serve``, with the torch wheel on this disk mounted for the build).
+python3, python3-venv and git, then ``podman import`` it. Both images are built from it by deploy/container-images.sh
+(``--target build``, ``--target serve``, with the torch wheel on this disk mounted for the build), the script
+``make container-images`` runs.
 
 What runs, and how: an OCI runtime cannot start a container on these machines (``podman run`` stops in the runtime:
 crun says ``setrlimit `RLIMIT_NOFILE`: Operation not permitted``, runc ``error setting rlimit type 7: operation not
@@ -30,9 +31,6 @@ pytestmark = pytest.mark.container
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = "localhost/gemma4-debian:bookworm"
-IMAGES = {"build": "localhost/gemma4-pipeline-build:test", "serve": "localhost/gemma4-pipeline-serve:test"}
-HOST_CA = Path(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt")
-WHEELS = Path("/opt/wheels")  # this machine's torch wheel (the env notes); elsewhere pip downloads the CPU build
 FAST = ["validate.prompt_names=[capital,spans_64]", "validate.throughput.contexts=[short]",
         "validate.throughput.runs=1", "validate.throughput.warmup_runs=0", "validate.warmup_prompts=0"]
 
@@ -66,14 +64,10 @@ def base_image() -> str:
 
 @pytest.fixture(scope="session")
 def images(base_image) -> dict[str, str]:
-    mount = ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "TORCH_FIND_LINKS=/wheels"] if WHEELS.is_dir() else []
-    if HOST_CA.is_file():  # this machine reaches the package index through a proxy with its own CA
-        mount += ["-v", f"{HOST_CA}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT_FILE=/run/host-ca.crt"]
-    for target, name in IMAGES.items():
-        # Docker's format: an OCI image has no HEALTHCHECK (podman drops it, with a warning)
-        run("podman", "build", "--isolation", "chroot", "--format", "docker", "-f", "deploy/Containerfile",
-            "--target", target, "--build-arg", f"BASE={base_image}", *mount, "-t", name, ".", cwd=REPO)
-    return IMAGES
+    """Both images, built by deploy/container-images.sh (which .ci/run may have run already, in the background: then
+    podman's layer cache makes this a lookup)."""
+    built = run(str(REPO / "deploy" / "container-images.sh"), base_image, "test").stdout.split()
+    return dict(zip(built[::2], built[1::2]))
 
 
 def inspect(name: str) -> dict:

@@ -23,7 +23,8 @@ from pipeline.paths import Paths
 from .helpers import CPU_COMPILER, FAST_VALIDATE, a_manifest, config, run
 from .hubserver import Hub
 
-pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+# Every version environment runs these (the mark names no distribution: they depend on many).
+pytestmark = pytest.mark.across_versions
 
 REPO_ID = "tester/gemma4-tiny-inferentia2"
 

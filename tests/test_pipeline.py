@@ -16,7 +16,8 @@ from pipeline.stages.package import version_name
 from .conftest import run_cli
 from .helpers import CPU_COMPILER
 
-pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+# Every version environment runs these (the mark names no distribution: they depend on many).
+pytestmark = pytest.mark.across_versions
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"

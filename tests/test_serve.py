@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+# Every version environment runs these (the mark names no distribution: they depend on many).
+pytestmark = pytest.mark.across_versions
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"

@@ -12,7 +12,10 @@ from pipeline.recipe.host import split_kv_for_ranks
 from pipeline.recipe.plan import ShardPlan
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_from_config
 
-pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+# What differs between versions: the recipe against transformers' config and rotary tables.
+# make test-production runs these, and make test-lowest where a distribution named is at another version than
+# the production pins (tests/conftest.py, --already-tested-with).
+pytestmark = pytest.mark.across_versions("torch", "transformers", "safetensors")
 
 # The shape-bearing fields of google/gemma-4-E4B-it's config.json (the multimodal release nests the decoder).
 E4B_CONFIG = {

@@ -92,7 +92,7 @@ def breakage_and_mode() -> list:
     """Every breakage in every parity mode; `make test` (and each version environment) runs a Latin square of them
     (each breakage once, each mode once), and the other six are marked slow (`make test-slow`), for `make test`'s
     budget."""
-    square, rest = pytest.mark.across_versions, pytest.mark.slow
+    square, rest = pytest.mark.across_versions("torch", "transformers"), pytest.mark.slow
     return [pytest.param(kind, mode, marks=square if (i - j) % len(MODES) == 0 else rest)
             for i, kind in enumerate(BREAKAGES) for j, mode in enumerate(MODES)]
 
@@ -118,7 +118,7 @@ def test_a_broken_artifact_fails_every_parity_mode(broken, mode):
         run(cfg, "publish")
 
 
-@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+@pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
 def test_the_healthy_build_passed_every_gate_and_reports_nxdi_keys(project):
     paths = Paths(project, "gemma4_tiny", "512_fp32")
     report = read_json(paths.validation_report)
@@ -136,7 +136,7 @@ def test_the_healthy_build_passed_every_gate_and_reports_nxdi_keys(project):
     assert [r["context"] for r in rows] == ["short"] and rows[0]["tokens_per_s"] > 0
 
 
-@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+@pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
 def test_metrics_hold_the_headline_figures_only(project):
     """metrics.json is what dvc metrics show prints, one column per figure: the figures a person compares."""
     paths = Paths(project, "gemma4_tiny", "512_fp32")
@@ -173,7 +173,7 @@ def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     assert divergence["reference_after"] != divergence["ours_after"]
 
 
-@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+@pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
 def test_bf16_passes_on_its_logits(project, tmp_path):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE, variant="512_bf16")
@@ -232,7 +232,7 @@ def test_every_pipeline_error_is_raised_again_as_itself(cls):
 
 # -- bad input, refused before anything is loaded ---------------------------------------------------------------
 
-@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+@pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
 def test_a_prompt_longer_than_the_variant_allows_is_refused_before_loading(project, tmp_path, monkeypatch):
     from pipeline.stages import validate
 
@@ -275,7 +275,7 @@ def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     assert len(chosen) == 5
 
 
-@pytest.mark.across_versions  # torch's numerics and transformers' reference: each version environment too
+@pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
 def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypatch):
     """The thread policy per phase (validation/generation.py): the seed measured E4B's host prefill at 6.3 s on one
     thread and 1.4 s on 32, so a prefill left at the validation process's one thread would be gated (and served)

@@ -23,7 +23,8 @@ from pipeline.recipe.spec import PER_LAYER_CONFIG_SINCE, reads_per_layer_config,
 
 from .helpers import config, run
 
-pytestmark = pytest.mark.across_versions  # what differs between versions: make test-production, make test-lowest
+# Every version environment runs these (the mark names no distribution: they depend on many).
+pytestmark = pytest.mark.across_versions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -176,3 +177,45 @@ def test_the_production_environment_is_the_neuron_extras_torch_and_transformers(
     assert re.fullmatch(r"\d+\.\d+\.\d+", pins["transformers"])
     assert len(pins) > 20  # a resolved environment, every package pinned
 
+
+
+class MarkedTest:
+    """What tests/conftest.py's version filter reads of a collected test: its id and its across_versions mark."""
+
+    def __init__(self, *distributions: str):
+        self.nodeid = f"test_of[{','.join(distributions)}]"
+        self.mark = pytest.mark.across_versions(*distributions).mark
+
+    def get_closest_marker(self, name: str):
+        return self.mark if name == "across_versions" else None
+
+
+def test_make_test_lowest_reruns_a_test_only_where_a_distribution_it_names_differs(tmp_path):
+    import importlib.metadata
+
+    from .conftest import pinned_versions, tested_at_these_versions
+
+    filelock = importlib.metadata.version("filelock")
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(f"# via uv\nFileLock=={filelock}\n    # via gemma4\npyyaml==0.0.1 ; python_version < '4'\n"
+                           "--index-url https://example.invalid\n")
+    pins = pinned_versions(constraints)
+    assert pins == {"filelock": filelock, "pyyaml": "0.0.1"}
+    assert tested_at_these_versions(MarkedTest("FileLock"), pins)  # the same version: run by the other environment
+    assert not tested_at_these_versions(MarkedTest("filelock", "PyYAML"), pins)  # one differs: run here too
+    assert not tested_at_these_versions(MarkedTest("filelock", "torch"), pins)  # one not pinned there
+    assert not tested_at_these_versions(MarkedTest(), pins)  # names none: depends on everything
+    with pytest.raises(pytest.UsageError, match="'no-such-dist', which is not installed"):
+        tested_at_these_versions(MarkedTest("no-such-dist"), {})
+
+
+def test_every_across_versions_mark_names_installed_distributions():
+    """A misspelt name would make make test-lowest refuse to start (or, spelt as another package, skip a test)."""
+    import importlib.metadata
+
+    marks = [m for f in sorted(REPO.glob("tests/test_*.py")) for m in re.findall(r"across_versions\(([^)]*)\)",
+                                                                                   f.read_text())]
+    named = {name for mark in marks for name in re.findall(r"\"([^\"]+)\"", mark)}
+    assert {"torch", "transformers", "safetensors"} <= named
+    for name in named:
+        importlib.metadata.version(name)
