@@ -493,6 +493,25 @@ def check(need: Need, settings: PreflightConfig) -> Resources:
     return res
 
 
+@dataclass(frozen=True)
+class Passed:
+    """A preflight that passed: the estimate, the need derived from it and the host's figures. The trace stage's
+    build record and the validate stage's validation.json both record it, by ``record``."""
+
+    estimate: Estimate
+    need: Need
+    host: Resources
+
+    def record(self) -> dict:
+        return {"need": self.need.record(), "host": self.host.record(), "estimate": self.estimate.record()}
+
+
+def run(est: Estimate, need: Need, settings: PreflightConfig) -> Passed:
+    """The stages' one entry point: the host checked against ``need`` (derived from ``est`` by ``trace_need`` or
+    ``validate_need``), refused or given swap as ``check`` says."""
+    return Passed(est, need, check(need, settings))
+
+
 def oom_message(what: str, res: Resources | None, need: Need | None = None) -> str:
     """The report for a process killed with SIGKILL: almost always the kernel's out-of-memory killer."""
     figures = res.summary() if res else "memory figures unavailable"

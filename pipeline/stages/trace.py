@@ -162,11 +162,10 @@ def run(cfg: PipelineConfig) -> StageResult:
     impl.check(req)  # e.g. the neuron backend's packages: said before anything else
     compiler_id = impl.compiler_id(toolchain)  # refuses a toolchain without the backend's compiler, before any work
     est = estimate(cfg, backend, load_spec(paths.weights))
-    need = preflight_need(cfg, backend, est)
-    host = preflight.check(need, cfg.preflight)
-    log.info("trace: preflight passed: needs %.1f GiB of RAM + swap, %d NeuronCores; host offers %s", need.memory / GIB,
-             need.neuron_cores, host.summary())
-    req = replace(req, host=host, need=need)  # the preflight's figures, quoted if the compile is killed
+    passed = preflight.run(est, preflight_need(cfg, backend, est), cfg.preflight)
+    log.info("trace: preflight passed: needs %.1f GiB of RAM + swap, %d NeuronCores; host offers %s",
+             passed.need.memory / GIB, passed.need.neuron_cores, passed.host.summary())
+    req = replace(req, host=passed.host, need=passed.need)  # the preflight's figures, quoted if the compile is killed
     started = time.monotonic()
     log.info("trace: %s on %s, tp_degree %d, kv_max %d, bucket %d, %s, %s prefill", cfg.variant.name, backend,
              req.shape.tp_degree, req.shape.kv_max, req.shape.bucket, req.shape.dtype, req.shape.prefill)
@@ -179,7 +178,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         layout=traced["layout"],
         compiler=Compiler(compiler_id, req.compiler_args, compiler_versions(toolchain)),
         toolchain=toolchain,
-        preflight={"need": need.record(), "host": host.record(), "estimate": est.record(),
+        preflight={**passed.record(),
                    "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
                                 "graph_peak_rss_bytes": traced["peak_rss_bytes"],
                                 "written_bytes": sum(m["size"] for m in traced["members"])}},

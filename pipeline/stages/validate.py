@@ -284,8 +284,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     backend, entry = manifest.backend, backend_entry(manifest.backend)
     entry.create().check_load(shape)  # before the preflight, the signature and the archive
     est = preflight.estimate(load_spec(paths.weights), shape, entry, cfg.model.resources.get(backend))
-    need = preflight.validate_need(est.resources, entry, shape, est.describe())
-    host = preflight.check(need, cfg.preflight)
+    passed = preflight.run(est, preflight.validate_need(est.resources, entry, shape, est.describe()), cfg.preflight)
     sig = cfg.package.signing
     accepted = signing.check(paths.dist, manifest.archive.name, sig.verifying_key(), sig.allow_unsigned,
                              f"the artifact in {paths.dist}")
@@ -293,12 +292,13 @@ def run(cfg: PipelineConfig) -> StageResult:
     started = time.monotonic()
     log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest.version,
              [reference["prompts"][i]["name"] for i in chosen])
-    measured = measure_in_fresh_process(cfg, manifest, worker_job(cfg, manifest, reference, chosen), host, need)
+    measured = measure_in_fresh_process(cfg, manifest, worker_job(cfg, manifest, reference, chosen), passed.host,
+                                       passed.need)
     gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured["throughput"])
     gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
     gates["passed"] = all(gates.values())
     facts = {"fingerprint": fp, "hardware": hardware, "coverage": coverage, "signature": accepted,
-             "preflight": {"need": need.record(), "host": host.record(), "estimate": est.record()}}
+             "preflight": passed.record()}
     write_records(cfg, manifest, measured, facts, gate, gates)
     judge(cfg, measured, gate, gates, f"{manifest.backend}/{hardware}")
     log.info("validate: %s passed every gate", cfg.variant.name)
