@@ -106,8 +106,9 @@ container-packages:
 container-base: container-packages
 	deploy/container-base.sh
 
-# Both images, as tests/test_container.py builds them (the same script): .ci/run builds them in the background while
-# make test and make test-slow run, so make test-container finds every layer in podman's cache.
+# Both images, as tests/test_container.py builds them (the same script; podman's layer cache makes a second build a
+# lookup). .ci/run does not build them in the background: tried beside the tests at nice 19, the build starved (the
+# base's debootstrap took 19 minutes instead of 1:38) and two timing gates of make test-slow failed under the load.
 container-images: container-base
 	deploy/container-images.sh
 

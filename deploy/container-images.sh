@@ -1,9 +1,8 @@
 #!/bin/sh
 # deploy/Containerfile's two images, build and serve, on BASE, tagged localhost/gemma4-pipeline-TARGET:TAG, and each
 # target's image name printed on a line of its own ("build NAME", "serve NAME"). make test-container's tests build
-# with this script, and .ci/run runs it in the background earlier (make container-images): podman's layer cache then
-# makes the tests' build a lookup. Needs root and podman (make container-packages); the base from
-# deploy/container-base.sh on these machines.
+# with this script, and so does make container-images: podman's layer cache makes a second build a lookup. Needs root
+# and podman (make container-packages); the base from deploy/container-base.sh on these machines.
 #   deploy/container-images.sh [BASE] [TAG]
 # podman's own output goes to stderr. WHEELS: a folder of wheels pip may take torch from, mounted read-only for the
 # build (default: this machine's /opt/wheels when it exists; elsewhere pip downloads torch's CPU build). PIP_CERT: a
