@@ -69,6 +69,12 @@ def _pull(argv: list[str]) -> int:
     return pull_main(argv)
 
 
+def _versions(argv: list[str]) -> int:
+    from pipeline.cli.versions import main as versions_main
+
+    return versions_main(argv)
+
+
 def _generate(argv: list[str]) -> int:
     from pipeline.cli.generate import main as generate_main
 
@@ -112,7 +118,8 @@ def _check_remote(argv: list[str]) -> int:
 
 
 SUBCOMMANDS = {  # name: (entry point, what it does)
-    "pull": (_pull, "fetch a published version (or a variant's newest), verify it, unpack it for serving"),
+    "versions": (_versions, "list what a repository publishes, and which versions fit this host (--json for scripts)"),
+    "pull": (_pull, "fetch a published version (or a variant's newest that fits this host), verify it, unpack it"),
     "generate": (_generate, "run a pulled or built version on a prompt (greedy), with its timing"),
     "serve": (_serve, "serve a published version over HTTP (OpenAI-compatible routes, /generate, /health, /metrics)"),
     "schedule": (_schedule, "build many variants at once, as memory and NeuronCores allow"),

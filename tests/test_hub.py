@@ -107,9 +107,10 @@ def test_first_publish_is_one_commit_and_one_tag(hub, project):
     files = files_at(hub, VERSION)
     manifest = json.loads(files["512_fp32/manifest.json"])
     archive = f"512_fp32/{manifest['archive']['name']}"
-    assert sorted(files) == sorted([".gitattributes", "README.md", archive, "512_fp32/manifest.json",
+    assert sorted(files) == sorted([".gitattributes", "README.md", "versions.json", archive, "512_fp32/manifest.json",
                                     "512_fp32/metrics.json"])
     assert manifest["validation"]["gates"]["passed"] is True
+    assert [row["version"] for row in json.loads(files["versions.json"])["versions"]] == [VERSION]
     assert ("PUT", f"/lfs-upload/{manifest['archive']['sha256']}") in hub.calls  # the large-file path
     card = files["README.md"].decode()
     assert card.startswith("---\nlicense: apache-2.0\n") and VERSION in card
@@ -288,6 +289,23 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
                            env={**env, "PIPELINE_LOG_LEVEL": "debug"})
     assert debug.returncode == 0, debug.stderr
     assert re.search(rf"INFO httpx2?: HTTP Request: GET {hub.url}/api/models/{REPO_ID}", debug.stderr), debug.stderr
+
+
+def test_versions_lists_a_hub_repo_from_one_download_of_its_index(hub, project, tmp_path):
+    ensure_published(project, "512_fp32")
+    ensure_published(project, "256_bf16_host")
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
+           "PATH": "/usr/bin:/bin"}
+    calls = len(hub.calls)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "versions", REPO_ID, "--json"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    tags = hub.repos[REPO_ID].tags
+    assert {row["version"]: row["commit"] for row in rows} == dict(tags) and len(rows) == 2
+    assert all(row["fits_this_host"] == "compatible" for row in rows)  # cpu builds of this environment's torch
+    downloads = [path for method, path in hub.calls[calls:] if "/resolve/" in path and method == "GET"]
+    assert len(downloads) == 1 and downloads[0].endswith("/versions.json"), downloads  # no manifest per version
 
 
 # -- what may go to the Hub --------------------------------------------------------------------------------------

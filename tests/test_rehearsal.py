@@ -131,9 +131,10 @@ def manifest_at(hub: Hub, tag: str) -> tuple[dict, dict[str, bytes]]:
 
 
 def pull(host: Host, version: str, public_key: str, dest: Path) -> subprocess.CompletedProcess:
+    """``pull`` on the inf2 host itself, with its Neuron install: it takes only a version that fits it."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")},
-           "HF_ENDPOINT": host.hub.url, "HF_TOKEN": host.hub.token, "HF_HUB_DISABLE_XET": "1",
-           "HF_HOME": str(host.root / "hf_pull")}
+           **fake_sdk.env(host.site), "HF_ENDPOINT": host.hub.url, "HF_TOKEN": host.hub.token,
+           "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(host.root / "hf_pull")}
     return subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(dest),
                            "--public-key", public_key], capture_output=True, text=True, env=env, timeout=600)
 

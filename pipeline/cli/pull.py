@@ -2,12 +2,14 @@
 
 SOURCE is a local publish folder (``publish=local``'s git repository) or a Hugging Face repo id. VERSION is a published
 version (``<variant>-<compiler>-<inputs>``), or a variant's name, which resolves to the newest published version of that
-variant (the one the repository's head holds; the log says which). The version's tag is resolved to a commit once, and
-every file is fetched at that commit, so a tag moved meanwhile cannot mix two versions. The manifest is schema-checked
-and (with ``--public-key``) its signature verified; the archive's sha256 and every member's are checked; the rank files
-are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing else, ready for neuronx-distributed's loaders
-(``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for ModelBuilder's ``model.pt``). Its path is printed
-on standard output.
+variant that fits this host (pipeline/backends/compatibility.py: the installed Neuron packages, or torch, against the
+version's; the log says which, and why newer ones were skipped; ``--any-host`` does not judge). A published version that
+does not fit is refused, naming what is installed, what it needs and the fix. The version's tag is resolved to a commit
+once, and every file is fetched at that commit, so a tag moved meanwhile cannot mix two versions. The manifest is
+schema-checked and (with ``--public-key``) its signature verified; the archive's sha256 and every member's are checked;
+the rank files are unpacked into ``DEST/<model>-<version>/``, a directory holding nothing else, ready for
+neuronx-distributed's loaders (``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for ModelBuilder's
+``model.pt``). Its path is printed on standard output.
 
     python -m pipeline pull artifacts/published 512_bf16 --dest /workspace --allow-unsigned
     python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0-1f0c9a7e --dest /workspace \\
@@ -28,12 +30,13 @@ from pathlib import Path
 from pipeline.artifact import signing
 from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.artifact.manifest import Manifest, manifest_beside
+from pipeline.backends import compatibility
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.names import child, repo_path
-from pipeline.publishing import layout
+from pipeline.publishing import index, layout
 from pipeline.publishing.localrepo import LocalRepo
 
 
@@ -105,28 +108,72 @@ class HubSource:
             shutil.move(got, dest)
 
 
+def host_toolchain() -> dict:
+    """This host's toolchain record (the toolchain stage's reader): what compatibility.judge compares a version with."""
+    from pipeline.stages.toolchain import collect
+
+    return collect("this host")
+
+
 def source_for(spec: str):
     path = Path(spec)
     return LocalSource(path) if path.exists() else HubSource(spec)
 
 
-def resolve(source, name: str, work: Path) -> tuple[str, str]:
+def resolve(source, name: str, work: Path, host: dict | None = None, public_key: str | None = None) -> tuple[str, str]:
     """``(version, commit)`` for ``name``: a published version, or a variant's name, which stands for the newest
-    published version of that variant: the one the repository's head holds (each publish commits its variant's
-    folder, so the head has the latest of each)."""
+    published version of that variant that fits ``host`` (a toolchain record: pipeline/backends/compatibility.py; None
+    takes the newest whatever the host). Newest: the latest publish time in the repository's index, else the one the
+    repository's head holds (each publish commits its variant's folder, so the head has the latest of each)."""
     tags = source.tags()
     if name in tags:
         return name, tags[name]
     if any(tag.startswith(name + "-") for tag in tags):
-        head = source.head()
-        if name in layout.variant_folders(source.files(head)):  # a plain name, with a manifest at the head
-            source.fetch(head, layout.path_in(name, layout.MANIFEST), work / "head-manifest.json")
-            version = Manifest.read(work / "head-manifest.json").version
-            (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
-            if version in tags:
-                log.info("pull: %s resolves to %s, the newest published version of that variant", name, version)
-                return version, tags[version]
+        candidates = newest_first(source, name, index.published_versions(source, work, public_key), work)
+        skipped = []
+        for found in candidates:
+            verdict = compatibility.judge(found.row.backend, found.row.toolchain, host) if host else None
+            if verdict is not None and verdict.fit == compatibility.Fit.refused:
+                skipped.append(f"{found.row.version}: {verdict.says()}")
+                continue
+            for line in skipped:
+                log.info("pull: skipped the newer %s", line)
+            log.info("pull: %s resolves to %s, the newest published version of that variant%s", name,
+                     found.row.version, " that fits this host" if host else "")
+            return found.row.version, found.commit
+        if skipped:
+            raise PipelineError(f"no published version of {name!r} in {source.name} fits this host:\n  - "
+                                + "\n  - ".join(skipped))
     raise PipelineError(f"{source.name} has no version or variant {name!r}; its versions are {sorted(tags)}")
+
+
+def newest_first(source, variant: str, published: list[index.Published], work: Path) -> list[index.Published]:
+    """The versions of ``variant``, newest first: by publish time where the index records it; a version with none (an
+    index rebuilt from the tags) is ordered by the head, which holds the newest of each variant, then by name."""
+    mine = [p for p in published if p.row.variant.name == variant]
+    dated = sorted((p for p in mine if p.row.published), key=lambda p: p.row.published, reverse=True)
+    undated = sorted((p for p in mine if not p.row.published), key=lambda p: p.row.version, reverse=True)
+    head_version = None
+    if undated:
+        head = source.head()
+        if variant in layout.variant_folders(source.files(head)):
+            source.fetch(head, layout.path_in(variant, layout.MANIFEST), work / "head-manifest.json")
+            head_version = Manifest.read(work / "head-manifest.json").version
+            (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
+    return dated + sorted(undated, key=lambda p: p.row.version != head_version)
+
+
+def judged(manifest: Manifest, host: dict | None) -> None:
+    """Refuse (naming what is installed, what is needed and the fix) a version that does not fit ``host``; warn when
+    it fits with a warning."""
+    if host is None:
+        return
+    verdict = compatibility.judge(manifest.backend, manifest.toolchain, host)
+    if verdict.fit == compatibility.Fit.refused:
+        raise PipelineError(f"{manifest.version} does not fit this host: {verdict.says()} (pull --any-host fetches "
+                            "it without this check, to serve elsewhere)")
+    if verdict.fit == compatibility.Fit.warning:
+        log.warning("pull: %s fits this host with a warning: %s", manifest.version, verdict.reason)
 
 
 def variant_folder(files: list[str], version: str) -> str:
@@ -152,8 +199,9 @@ def destination(dest: Path) -> Path:
     return dest
 
 
-def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool) -> Path:
-    """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``.
+def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool, host: dict | None = None) -> Path:
+    """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``; with
+    ``host`` (this host's toolchain record), only a version that fits it (pipeline/backends/compatibility.py).
 
     Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
     as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
@@ -163,7 +211,7 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
     with (reporting_full_disk(dest, f"pull {name}"),
           tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
         work = Path(tmp)
-        version, commit = resolve(source, name, work)  # once: every file below comes from this commit
+        version, commit = resolve(source, name, work, host, public_key)  # once: every file comes from this commit
         files = source.files(commit)
         folder = variant_folder(files, version)
         source.fetch(commit, layout.path_in(folder, layout.MANIFEST), work / "manifest.json")
@@ -171,6 +219,7 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
         if manifest.version != version:
             raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
                                  f"not {version!r}")
+        judged(manifest, host)
         if layout.path_in(folder, signing.SIGNATURE) in files:
             source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE)
         archive_name = manifest.archive.name
@@ -209,6 +258,9 @@ def main(argv: list[str]) -> int:
                              f"{CACHE_ENV} moves it)")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    parser.add_argument("--any-host", action="store_true",
+                        help="fetch and verify without judging whether this host can run it (to serve it elsewhere, "
+                             "or to build an image on another machine); a variant's name then takes its newest")
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
@@ -216,7 +268,8 @@ def main(argv: list[str]) -> int:
         if problem:
             raise PipelineError(problem)
         dest = (args.dest or versions_dir()).resolve()
-        path = pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned)
+        host = None if args.any_host else host_toolchain()
+        path = pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned, host)
     print(path)
     return 0
 

@@ -1,11 +1,13 @@
 """``python -m pipeline serve SOURCE [VERSION] --checkpoint DIR``: serve a published version over HTTP.
 
 SOURCE is what ``pull`` takes (a local publish folder or a Hugging Face repo id, with VERSION a published version or a
-variant's name), or a directory ``pull`` printed (VERSION may then be left out). The version is pulled and verified
-exactly as ``pull`` does it (signature, archive and every rank file's sha256; nothing is loaded unverified), and a
-pulled directory's rank files are checked against the manifest beside it again. The port is taken first, so a port in
-use is named before any work. The server then listens at once and loads the build in the background: ``GET /health``
-answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200 ``ready``.
+variant's name, its newest version that fits this host), or a directory ``pull`` printed (VERSION may then be left
+out); a version this host cannot run is refused before anything loads (pipeline/backends/compatibility.py). The
+version is pulled and verified exactly as ``pull`` does it (signature, archive and every rank file's sha256; nothing is
+loaded unverified), and a pulled directory's rank files are checked against the manifest beside it again. The port is
+taken first, so a port in use is named before any work. The server then listens at once and loads the build in the
+background: ``GET /health`` answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200
+``ready``.
 
 Routes (pipeline/serving/api.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
 version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
-from pipeline.cli.pull import pull, source_for
+from pipeline.cli.pull import host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
@@ -67,7 +69,9 @@ def obtain(args: argparse.Namespace) -> Path:
     """The verified rank directory to serve."""
     if is_rank_dir(args.source):
         rank_dir = Path(args.source).resolve()
-        version = Manifest.read(manifest_of(rank_dir)).version
+        manifest = Manifest.read(manifest_of(rank_dir))
+        version = manifest.version
+        judged(manifest, host_toolchain())  # it loads here: a version this host cannot run is refused first
         if args.version and args.version != version:
             raise InputError(f"{rank_dir} holds {version!r}, not {args.version!r}: leave VERSION out, or pull "
                              f"{args.version!r}")
@@ -79,7 +83,7 @@ def obtain(args: argparse.Namespace) -> Path:
     if problem:
         raise PipelineError(problem)
     dest = (args.dest or versions_dir()).resolve()
-    return pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned)
+    return pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned, host_toolchain())
 
 
 def run_server(service, sock: socket.socket) -> int:

@@ -1,9 +1,11 @@
 """Where a version's files live in a published repository (the Hub repo, or ``publish=local``'s git repository).
 
 ``<variant>/manifest.json``, ``<variant>/<archive>``, ``<variant>/metrics.json`` (and ``manifest.sig``), with the model
-card as the root ``README.md``. A version ``<variant>-<compiler>-<inputs>`` is tagged and lives under its variant's
-folder. Publish and pull both find a version's folder here, from the repository's listing, whose every name is checked
-as a plain path component first (pipeline/core/names.py): a listing is input from outside.
+card as the root ``README.md`` and the index of every published version as the root ``versions.json`` (with
+``versions.sig`` where signing is on: pipeline/publishing/index.py). A version ``<variant>-<compiler>-<inputs>`` is
+tagged and lives under its variant's folder. Publish and pull both find a version's folder here, from the repository's
+listing, whose every name is checked as a plain path component first (pipeline/core/names.py): a listing is input from
+outside.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pipeline.core.names import component_problem, repo_path
 MANIFEST = "manifest.json"
 METRICS = "metrics.json"
 CARD = "README.md"
+INDEX = "versions.json"
+INDEX_SIGNATURE = "versions.sig"
 
 
 def variant_folders(files: list[str]) -> set[str]:

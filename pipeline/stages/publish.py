@@ -1,9 +1,11 @@
 """Stage 7, publish: push a validated version as one commit, tagged ``<variant>-<compiler>-<inputs>``.
 
 The commit carries ``<variant>/<archive>``, ``<variant>/manifest.json`` (with the validation summary, and its signature
-``manifest.sig`` when a key is set), ``<variant>/metrics.json`` and the root ``README.md``, the model card, regenerated
-from every version already published plus this one, so it never forgets older versions. Anything else in the variant's
-folder (an older version's archive) leaves the head in the same commit; tags keep every version.
+``manifest.sig`` when a key is set), ``<variant>/metrics.json``, the root ``README.md``, the model card, and the root
+``versions.json``, the index of every version (pipeline/publishing/index.py; ``versions.sig`` beside it when a key is
+set), both regenerated from every version already published plus this one, so they never forget older versions.
+Anything else in the variant's folder (an older version's archive) leaves the head in the same commit; tags keep every
+version.
 
 Only a validated artifact goes out: its validation must have passed every gate for exactly this archive, and the
 archive's checksum (and signature) is verified again just before it is sent. Publishing is idempotent: a version already
@@ -37,7 +39,7 @@ from pipeline.core.fsutil import write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
 from pipeline.paths import Paths
-from pipeline.publishing import layout, regression
+from pipeline.publishing import index, layout, regression
 from pipeline.publishing.card import render
 from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult, StageStatus
@@ -221,8 +223,18 @@ def repair(target, version: str, variant: str, archive: Path, ours: Manifest, th
     return commit
 
 
+def index_files(target, head: str, others: list[Manifest], new: Manifest, private_key: str | None) -> dict:
+    """The repository's ``versions.json`` (pipeline/publishing/index.py) with ``new`` added, from every tagged
+    version's manifest (so never stale when written), each keeping the publish time the head's index gave it; and its
+    signature where signing is on."""
+    dates = index.published_dates(target.read(head, layout.INDEX))
+    rows = [index.row_of(m, dates.get(m.version)) for m in others] + [index.row_of(new, index.now())]
+    data = index.encode(rows)
+    return {layout.INDEX: data, **({layout.INDEX_SIGNATURE: index.signature(data, private_key)} if private_key else {})}
+
+
 def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str,
-                    archive: Path) -> dict:
+                    archive: Path, private_key: str | None = None) -> dict:
     """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build),
     once the published archive is verified against its manifest (and repaired from ``archive`` if it can be).
 
@@ -253,8 +265,10 @@ def publish_version(target, version: str, variant: str, prepare, ours: Manifest,
     others = published_manifests(target, version)
     require_same_model(manifest, others, repo_id)
     card = render(others + [manifest], repo_id, source).encode()
-    stale = [p for p in target.list_files(head) if p.startswith(f"{variant}/") and p not in files]
-    commit = target.commit({**files, layout.CARD: card}, stale, f"Publish {version}", head)
+    files = {**files, layout.CARD: card, **index_files(target, head, others, manifest, private_key)}
+    stale = [p for p in target.list_files(head) if (p.startswith(f"{variant}/") or p == layout.INDEX_SIGNATURE)
+             and p not in files]
+    commit = target.commit(files, stale, f"Publish {version}", head)
     target.tag(version, commit, replace=False)
     return {"commit": commit, "created": True, "repaired": False}
 
@@ -284,7 +298,8 @@ def run(cfg: PipelineConfig) -> StageResult:
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
     def publish(target, source: str) -> dict:
-        return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source, archive)
+        return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source, archive,
+                               sig.private_key)
 
     if pub.target == "local":
         repo_dir = paths.root / pub.local_dir

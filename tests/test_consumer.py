@@ -1,0 +1,257 @@
+"""The consumer's side: the repository's index of versions, ``versions``, and choosing a version that fits this host.
+
+A repository is made from the shared 512_fp32 build's local publish folder, with neuron versions of the same variant
+published beside it by the publish stage's own code (publish_version, the writer of versions.json) as two Neuron SDK
+releases would have built them (their manifests' toolchains; the archive is the cpu build's, so a pulled directory
+keeps that build's name: the log says which version was taken). Hosts are the stand-in SDK installed as one release
+or the other; pull and versions run as users run them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from pipeline.artifact.manifest import Manifest
+from pipeline.backends import compatibility, neuron_sdk
+from pipeline.backends.compatibility import Fit
+from pipeline.cli.pull import LocalSource
+from pipeline.core.build_records import Compiler
+from pipeline.publishing import index, layout
+from pipeline.publishing.localrepo import LocalRepo
+from pipeline.stages import publish
+from pipeline.stages.toolchain import PACKAGES
+
+from . import fake_sdk
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT = "512_fp32"
+OLDER, NEWER = "2.26.1", "2.28.1"  # two releases with a torch 2.8 build of torch-neuronx
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def toolchain_of(release: str, torch: str = "2.8.0", runtime: str | None = None) -> dict:
+    """The toolchain record an inf2 host with ``release`` installed writes (the toolchain stage's format)."""
+    versions = {"torch": torch, "transformers": "5.13.0", "safetensors": "0.8.0",
+                **neuron_sdk.release(release).exact_versions(torch)}
+    return {"schema_version": 2, "backend": "neuron", "packages": {n: {"version": versions.get(n)} for n in PACKAGES},
+            "neuronx_cc": {"version": versions["neuronx-cc"], "source": "test"},
+            "system_packages": {compatibility.RUNTIME_PACKAGE: runtime} if runtime else {}}
+
+
+def neuron_manifest(base: Manifest, release: str, inputs: str) -> Manifest:
+    toolchain = toolchain_of(release)
+    compiler = f"ncc{neuron_sdk.release(release).neuronx_cc}"
+    versions = {name: entry["version"] for name, entry in toolchain["packages"].items()}
+    return replace(base, version=f"{VARIANT}-{compiler}-{inputs}", backend="neuron",
+                   compiler=Compiler(compiler, (), versions), toolchain=toolchain)
+
+
+def later(minutes: int) -> str:
+    """A publish time ``minutes`` after now (after the shared build's own publish), in the index's format."""
+    return (datetime.now(timezone.utc) + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def publish_as(repo: Path, archive: Path, manifest: Manifest, when: str, monkeypatch,
+               private_key: str | None = None) -> None:
+    """``manifest`` published into the local repository ``repo`` by the publish stage's own code, at time ``when``."""
+    monkeypatch.setattr(index, "now", lambda: when)
+
+    def prepare(previous):
+        return publish.repo_files(VARIANT, archive, manifest, {}, private_key), manifest
+
+    publish.publish_version(LocalRepo(repo), manifest.version, VARIANT, prepare, manifest, "local", str(repo), archive,
+                            private_key)
+
+
+@pytest.fixture
+def repo(validated_512_fp32, tmp_path, monkeypatch) -> tuple[Path, dict[str, str]]:
+    """The shared build's publish folder (its cpu version), plus the neuron versions of SDK ``OLDER`` then ``NEWER``:
+    ``(folder, {release: version})``."""
+    folder = tmp_path / "published"
+    shutil.copytree(validated_512_fp32 / "published", folder)
+    dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
+    base = Manifest.read(dist / "manifest.json")
+    built = {}
+    for n, release in enumerate((OLDER, NEWER)):
+        manifest = neuron_manifest(base, release, f"{n + 1}" * 8)
+        publish_as(folder, dist / base.archive.name, manifest, later(n + 1), monkeypatch)
+        built[release] = manifest.version
+    return folder, built
+
+
+@pytest.fixture
+def on_host(tmp_path, monkeypatch):
+    """``on_host(release)``: this process and its children on an inf2 host stand-in with ``release`` installed."""
+    with contextlib.ExitStack() as stack:
+        def install(release: str) -> None:
+            site = fake_sdk.install(tmp_path / f"sdk-{release}", release)
+            stack.enter_context(fake_sdk.activated(site, monkeypatch))
+
+        yield install
+
+
+# -- the rule ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("built", "installed", "fit", "said"), [
+    (toolchain_of(NEWER), toolchain_of(NEWER), Fit.compatible, f"Neuron SDK {NEWER}"),
+    (toolchain_of(OLDER), toolchain_of(NEWER), Fit.warning, "a newer runtime loads the NEFFs of older compilers"),
+    (toolchain_of(NEWER), toolchain_of(OLDER), Fit.refused, "can need a newer runtime"),
+    (toolchain_of(NEWER), {"packages": {}}, Fit.refused, "no Neuron packages"),
+    (toolchain_of(NEWER), toolchain_of(NEWER, torch="2.9.0"), Fit.refused, "TorchScript of torch 2.8.0"),
+    (toolchain_of(NEWER, runtime="2.25.1.0-abc"), toolchain_of(NEWER, runtime="2.24.0.0-def"), Fit.refused,
+     "aws-neuronx-runtime-lib 2.24.0.0 is older than the 2.25.1.0"),
+    (toolchain_of(NEWER, runtime="2.25.1.0-abc"), toolchain_of(NEWER, runtime="2.26.0.0-def"), Fit.compatible, ""),
+], ids=["same-release", "newer-host", "older-host", "no-neuron", "other-torch", "older-runtime", "newer-runtime"])
+def test_the_neuron_rule(built, installed, fit, said):
+    verdict = compatibility.judge("neuron", built, installed)
+    assert verdict.fit == fit and said in verdict.reason
+    assert bool(verdict.fix) == (fit == Fit.refused)
+    if fit == Fit.refused and "runtime-lib" not in said:
+        assert "install-neuron --release" in verdict.fix
+
+
+@pytest.mark.parametrize(("built", "installed", "fit"), [
+    ("2.8.0", "2.8.0+cpu", Fit.compatible), ("2.8.0", "2.8.1", Fit.warning), ("2.8.0", "2.13.0", Fit.warning),
+    ("2.13.0+cpu", "2.8.0", Fit.refused), ("2.8.0", None, Fit.refused)])
+def test_every_other_backend_takes_torchs_rule(built, installed, fit):
+    def record(torch):
+        return {"packages": {"torch": {"version": torch}}}
+
+    for backend in ("cpu", "xla"):
+        assert compatibility.judge(backend, record(built), record(installed)).fit == fit
+
+
+# -- the index --------------------------------------------------------------------------------------------------------
+
+def head_index(folder: Path) -> index.VersionIndex:
+    repo = LocalRepo(folder)
+    return index.decode(repo.read(repo.head(), layout.INDEX), "versions.json")
+
+
+def test_each_publish_commits_the_index_of_every_tagged_version(repo):
+    folder, built = repo
+    local = LocalRepo(folder)
+    tags = local.tags()
+    rows = {row.version: row for row in head_index(folder).versions}
+    assert set(rows) == set(tags) and len(tags) == 3
+    for version, commit in tags.items():  # each row is what the version's own manifest says
+        manifest = Manifest.from_json(json.loads(local.read(commit, f"{VARIANT}/manifest.json")), version)
+        assert rows[version] == index.row_of(manifest, rows[version].published)
+        assert layout.INDEX in local.list_files(commit)  # in the same commit as the version it adds
+    published = {version: row.published for version, row in rows.items()}
+    assert sorted(published, key=published.get)[1:] == [built[OLDER], built[NEWER]]  # each kept from the head's index
+    assert rows[built[NEWER]].toolchain["packages"]["neuronx-cc"]["version"] == neuron_sdk.release(NEWER).neuronx_cc
+
+
+def test_versions_lists_every_version_and_which_fit_this_host(repo, on_host):
+    folder, built = repo
+    on_host(OLDER)
+    out = cli("versions", str(folder), "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {row["version"]: row for row in json.loads(out.stdout)}
+    assert rows[built[OLDER]]["fits_this_host"] == "compatible"
+    assert rows[built[NEWER]]["fits_this_host"] == "refused"
+    assert f"install-neuron --release {NEWER}" in rows[built[NEWER]]["fix"]
+    assert "reading every version's manifest" not in out.stderr  # the index was current: one download
+    fits = cli("versions", str(folder), "--variant", VARIANT, "--fits-this-host")
+    assert built[OLDER] in fits.stdout and built[NEWER] not in fits.stdout
+    assert "tok/s" in fits.stdout.splitlines()[0]
+
+
+def test_a_host_with_the_older_sdk_pulls_the_older_version_and_is_refused_the_newer(repo, tmp_path, on_host):
+    folder, built = repo
+    on_host(OLDER)
+    got = cli("pull", str(folder), VARIANT, "--allow-unsigned", "--dest", str(tmp_path / "a"))
+    assert got.returncode == 0, got.stderr
+    assert f"resolves to {built[OLDER]}, the newest published version of that variant that fits" in got.stderr
+    assert f"skipped the newer {built[NEWER]}" in got.stderr and "can need a newer runtime" in got.stderr
+    refused = cli("pull", str(folder), built[NEWER], "--allow-unsigned", "--dest", str(tmp_path / "b"))
+    assert refused.returncode == 1
+    assert f"{built[NEWER]} does not fit this host" in refused.stderr
+    assert f"this host has {OLDER}" in refused.stderr and f"install-neuron --release {NEWER}" in refused.stderr
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    anywhere = cli("pull", str(folder), built[NEWER], "--allow-unsigned", "--any-host", "--dest", str(tmp_path / "c"))
+    assert anywhere.returncode == 0, anywhere.stderr
+
+
+def test_a_host_with_the_newer_sdk_pulls_the_newer_version(repo, tmp_path, on_host):
+    folder, built = repo
+    on_host(NEWER)
+    got = cli("pull", str(folder), VARIANT, "--allow-unsigned", "--dest", str(tmp_path / "a"))
+    assert got.returncode == 0, got.stderr
+    assert f"resolves to {built[NEWER]}" in got.stderr and "skipped" not in got.stderr
+
+
+def test_a_host_without_neuron_takes_the_cpu_version(repo, tmp_path):
+    folder, _ = repo
+    got = cli("pull", str(folder), VARIANT, "--allow-unsigned", "--dest", str(tmp_path / "a"))
+    assert got.returncode == 0, got.stderr
+    assert "-cpu-torch" in got.stdout and got.stderr.count("skipped the newer") == 2
+    assert "this host has no Neuron packages" in got.stderr
+
+
+# -- the tags decide -------------------------------------------------------------------------------------------------
+
+def test_a_stale_index_never_wins_over_the_tags(repo, tmp_path):
+    folder, built = repo
+    local = LocalRepo(folder)
+    rows = list(head_index(folder).versions)
+    ghost = replace(rows[0], version=f"{VARIANT}-ncc9.9.9.9-99999999")  # a row with no tag
+    stale = index.encode([r for r in rows if r.version != built[NEWER]] + [ghost])  # and a tagged version missing
+    local.commit({layout.INDEX: stale}, [], "a stale index", local.head())
+    listed = index.published_versions(LocalSource(folder), tmp_path)
+    assert sorted(p.row.version for p in listed) == sorted(local.tags())
+    assert {p.commit for p in listed} == set(local.tags().values())
+    out = cli("versions", str(folder))
+    assert "lists 1 version(s) with no tag" in out.stderr and "lacks 1 tagged version(s)" in out.stderr
+
+
+def test_a_deleted_index_is_read_from_the_tags_then_written_again_whole(repo, tmp_path, monkeypatch,
+                                                                      validated_512_fp32):
+    folder, built = repo
+    local = LocalRepo(folder)
+    local.commit({}, [layout.INDEX], "the index deleted", local.head())
+    listed = index.published_versions(LocalSource(folder), tmp_path)
+    assert sorted(p.row.version for p in listed) == sorted(local.tags())
+    dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
+    base = Manifest.read(dist / "manifest.json")
+    another = neuron_manifest(base, NEWER, "33333333")
+    publish_as(folder, dist / base.archive.name, another, later(3), monkeypatch)
+    assert {row.version for row in head_index(folder).versions} == set(local.tags()) | {another.version}
+
+
+def test_a_signed_index_that_fails_its_check_is_not_used(repo, tmp_path, monkeypatch, validated_512_fp32):
+    folder, built = repo
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(keys / "k")],
+                   check=True, capture_output=True)
+    subprocess.run(["openssl", "ec", "-in", str(keys / "k"), "-pubout", "-out", str(keys / "k.pub")], check=True,
+                   capture_output=True)
+    dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
+    base = Manifest.read(dist / "manifest.json")
+    signed = replace(neuron_manifest(base, NEWER, "44444444"), signature={"file": "manifest.sig"})
+    publish_as(folder, dist / base.archive.name, signed, later(4), monkeypatch, str(keys / "k"))
+    local = LocalRepo(folder)
+    assert layout.INDEX_SIGNATURE in local.list_files(local.head())
+    good = cli("versions", str(folder), "--public-key", str(keys / "k.pub"))
+    assert good.returncode == 0 and "cannot be used" not in good.stderr, good.stderr
+    forged = json.loads(local.read(local.head(), layout.INDEX))
+    forged["versions"][0]["metrics"]["tokens_per_s"] = 9999.0
+    local.commit({layout.INDEX: (json.dumps(forged) + "\n").encode()}, [], "forged", local.head())
+    out = cli("versions", str(folder), "--public-key", str(keys / "k.pub"), "--json")
+    assert out.returncode == 0 and "cannot be used (signature check" in out.stderr, out.stderr
+    assert all(row["metrics"]["tokens_per_s"] != 9999.0 for row in json.loads(out.stdout))
