@@ -160,6 +160,9 @@ def _manifest_row(source, tag: str, commit: str, work: Path) -> IndexRow | None:
     try:
         source.fetch(commit, layout.path_in(folder, layout.MANIFEST), path)
         manifest = Manifest.read(path)
+    except PipelineError as exc:  # one broken version does not hide the others (pull checks the one it takes again)
+        log.warning("%s: the manifest at tag %s cannot be read (%s): left out", source.name, tag, exc)
+        return None
     finally:
         path.unlink(missing_ok=True)
     if manifest.version != tag:

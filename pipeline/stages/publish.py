@@ -226,11 +226,19 @@ def repair(target, version: str, variant: str, archive: Path, ours: Manifest, th
 def index_files(target, head: str, others: list[Manifest], new: Manifest, private_key: str | None) -> dict:
     """The repository's ``versions.json`` (pipeline/publishing/index.py) with ``new`` added, from every tagged
     version's manifest (so never stale when written), each keeping the publish time the head's index gave it; and its
-    signature where signing is on."""
-    dates = index.published_dates(target.read(head, layout.INDEX))
-    rows = [index.row_of(m, dates.get(m.version)) for m in others] + [index.row_of(new, index.now())]
-    data = index.encode(rows)
-    return {layout.INDEX: data, **({layout.INDEX_SIGNATURE: index.signature(data, private_key)} if private_key else {})}
+    signature where signing is on.
+
+    A retry after a commit whose answer was lost finds ``new`` in the head's index already: it keeps that time, so the
+    index (and the signature, taken from the head for the same bytes) are the bytes already there, and the Hub client
+    makes no second commit of unchanged files."""
+    at_head = target.read(head, layout.INDEX)
+    dates = index.published_dates(at_head)
+    rows = [index.row_of(m, dates.get(m.version)) for m in others]
+    data = index.encode(rows + [index.row_of(new, dates.get(new.version) or index.now())])
+    if not private_key:
+        return {layout.INDEX: data}
+    signed = target.read(head, layout.INDEX_SIGNATURE) if data == at_head else None
+    return {layout.INDEX: data, layout.INDEX_SIGNATURE: signed or index.signature(data, private_key)}
 
 
 def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str,
