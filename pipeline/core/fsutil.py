@@ -85,14 +85,19 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def json_text(obj: Any) -> str:
+    """The JSON of every record and published file: indented, keys sorted, one final newline."""
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     """Pretty, key-sorted JSON with a trailing newline, written atomically."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json_text(obj))
 
 
 def write_json_if_changed(path: str | os.PathLike, obj: Any) -> bool:
     """Rewrite ``path`` only when its content would change, so its mtime and hash stay put. Returns True if written."""
-    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    text = json_text(obj)
     path = Path(path)
     if path.exists() and path.read_text() == text:
         return False

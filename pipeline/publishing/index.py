@@ -26,6 +26,7 @@ from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
 from pipeline.core.build_records import ModelIdentity, Variant
 from pipeline.core.errors import IntegrityError, PipelineError
+from pipeline.core.fsutil import json_text
 from pipeline.core.log import log
 from pipeline.core.records import Record
 from pipeline.publishing import layout
@@ -89,7 +90,7 @@ def now() -> str:
 
 def encode(rows: list[IndexRow]) -> bytes:
     index = VersionIndex(VersionIndex.SCHEMA_VERSION, tuple(sorted(rows, key=lambda r: r.version)))
-    return (json.dumps(index.to_json(), indent=2, sort_keys=True) + "\n").encode()
+    return json_text(index.to_json()).encode()
 
 
 def decode(raw: bytes, where: str) -> VersionIndex:

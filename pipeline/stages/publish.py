@@ -35,7 +35,7 @@ from pipeline.artifact.manifest import Manifest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import PublishError
-from pipeline.core.fsutil import write_json_if_changed
+from pipeline.core.fsutil import json_text, write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
 from pipeline.paths import Paths
@@ -141,7 +141,7 @@ def published_manifest(manifest: Manifest, summary: dict, regression: dict | Non
 
 
 def dump(obj) -> bytes:
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    return json_text(obj).encode()
 
 
 def read_manifest(raw: bytes | None, where: str) -> Manifest | None:
