@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifact.manifest import Manifest
+from pipeline.artifact.manifest import Manifest, manifest_beside
+from pipeline.artifact.pulled import Pulled, pulled_beside
 from pipeline.backends import compatibility, neuron_sdk
 from pipeline.backends.compatibility import Fit
-from pipeline.cli.pull import LocalSource
+from pipeline.cli.pull import LocalSource, pull
 from pipeline.core.build_records import Compiler
+from pipeline.core.errors import IntegrityError
 from pipeline.publishing import index, layout
 from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import publish
@@ -182,7 +185,7 @@ def test_a_host_with_the_older_sdk_pulls_the_older_version_and_is_refused_the_ne
     assert refused.returncode == 1
     assert f"{built[NEWER]} does not fit this host" in refused.stderr
     assert f"this host has {OLDER}" in refused.stderr and f"install-neuron --release {NEWER}" in refused.stderr
-    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    assert [p.name for p in (tmp_path / "b").iterdir() if p.name != ".locks"] == []  # only pull's lock folder
     anywhere = cli("pull", str(folder), built[NEWER], "--allow-unsigned", "--any-host", "--dest", str(tmp_path / "c"))
     assert anywhere.returncode == 0, anywhere.stderr
 
@@ -255,3 +258,102 @@ def test_a_signed_index_that_fails_its_check_is_not_used(repo, tmp_path, monkeyp
     out = cli("versions", str(folder), "--public-key", str(keys / "k.pub"), "--json")
     assert out.returncode == 0 and "cannot be used (signature check" in out.stderr, out.stderr
     assert all(row["metrics"]["tokens_per_s"] != 9999.0 for row in json.loads(out.stdout))
+
+
+# -- the cache --------------------------------------------------------------------------------------------------------
+
+class Counted(LocalSource):
+    """The local publish folder, counting the files fetched from it."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.fetched: list[str] = []
+
+    def fetch(self, commit: str, path: str, dest: Path) -> None:
+        self.fetched.append(path)
+        super().fetch(commit, path, dest)
+
+
+def cpu_version(folder: Path) -> str:
+    return next(version for version in LocalRepo(folder).tags() if "-cpu-" in version)
+
+
+def keep_mtime_and_write(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` with its mtime put back (what a careless copy or a tool that preserves times does)."""
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_pulled_version_is_used_again_with_nothing_fetched_and_refetched_when_its_files_changed(repo, tmp_path,
+                                                                                                 caplog):
+    folder, _ = repo
+    version, source, dest = cpu_version(folder), Counted(folder), tmp_path / "cache"
+    path = pull(source, version, dest, None, True)
+    archive = Manifest.read(manifest_beside(path)).archive.name
+    assert source.fetched == [f"{VARIANT}/manifest.json", f"{VARIANT}/{archive}"]
+    record = Pulled.read(pulled_beside(path))
+    assert (record.version, record.commit) == (version, LocalRepo(folder).tags()[version])
+    assert sorted(p.name for p in dest.iterdir()) == [".locks", path.name, f"{path.name}.manifest.json",
+                                                      f"{path.name}.pulled.json"]
+
+    def again() -> str:
+        source.fetched.clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pipeline"):
+            assert pull(source, version, dest, None, True) == path
+        return caplog.text
+
+    said = again()
+    assert source.fetched == [] and "nothing downloaded" in said and "rank files checked by its record" in said
+    tp0 = path / "tp_0.pt"
+    keep_mtime_and_write(tp0, tp0.read_bytes())  # the same bytes, rewritten: only the ctime (and inode?) moved
+    said = again()
+    assert source.fetched == [] and "rank files checked hashed" in said  # hashed again, and its record rewritten
+    assert "checked by its record" in again()
+    good = tp0.read_bytes()
+    keep_mtime_and_write(tp0, good[:100] + bytes([good[100] ^ 1]) + good[101:])  # a flipped bit, same size and mtime
+    said = again()
+    assert "no longer matches its manifest" in said and source.fetched == [f"{VARIANT}/manifest.json",
+                                                                           f"{VARIANT}/{archive}"]
+    assert tp0.read_bytes() == good
+
+
+def test_verify_full_hashes_a_pulled_version_its_record_vouches_for(repo, tmp_path, caplog):
+    folder, _ = repo
+    version, source, dest = cpu_version(folder), Counted(folder), tmp_path / "cache"
+    path = pull(source, version, dest, None, True)
+    source.fetched.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert pull(source, version, dest, None, True, verify_full=True) == path
+    assert source.fetched == [] and "rank files checked hashed" in caplog.text
+
+
+def test_a_version_pulled_from_another_archive_is_refused_and_left_as_it_is(repo, tmp_path):
+    folder, _ = repo
+    version, source, dest = cpu_version(folder), Counted(folder), tmp_path / "cache"
+    path = pull(source, version, dest, None, True)
+    # As if an earlier pull had taken other bytes under this version's name, from another commit.
+    other = replace(Pulled.read(pulled_beside(path)), archive_sha256="0" * 64, commit="f" * 40)
+    other.write(pulled_beside(path))
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(IntegrityError, match=r"A version names one set of bytes.*pull into another --dest"):
+        pull(source, version, dest, None, True)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert Pulled.read(pulled_beside(path)) == other
+
+
+def test_offline_pull_takes_only_what_the_cache_holds(repo, tmp_path):
+    folder, _ = repo
+    version, dest = cpu_version(folder), str(tmp_path / "cache")
+    empty = cli("pull", "no-such/repository", VARIANT, "--offline", "--allow-unsigned", "--dest", dest)
+    assert empty.returncode == 1 and f"holds no pulled version '{VARIANT}'" in empty.stderr
+    assert "pull it without --offline first" in empty.stderr
+    pulled = cli("pull", str(folder), version, "--allow-unsigned", "--dest", dest)
+    assert pulled.returncode == 0, pulled.stderr
+    got = cli("pull", "no-such/repository", VARIANT, "--offline", "--allow-unsigned", "--dest", dest)
+    assert got.returncode == 0 and got.stdout == pulled.stdout, got.stderr
+    assert f"offline, {VARIANT} resolves to {version}, the version of that variant pulled last" in got.stderr
+    assert "nothing downloaded" in got.stderr
+    unsigned = cli("pull", "no-such/repository", version, "--offline", "--dest", dest)
+    assert unsigned.returncode == 1 and "is not signed" in unsigned.stderr  # the signing policy holds offline too

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -281,7 +282,8 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
     assert sorted(p.name for p in path.iterdir()) == ["tp_0.pt", "tp_1.pt"]
     manifest = json.loads(files_at(hub, version)["256_bf16_host/manifest.json"])
     assert [sha256_file(path / m["path"]) for m in manifest["members"]] == [m["sha256"] for m in manifest["members"]]
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [path.name, path.name + ".manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [".locks", path.name, path.name + ".manifest.json",
+                                                                  path.name + ".pulled.json"]
     # The HTTP client's request lines only at debug level; the pull's own lines in the one format either way.
     assert "HTTP Request:" not in proc.stderr and f"INFO pipeline: pull: {version} (commit " in proc.stderr
     debug = subprocess.run([sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(tmp_path / "w"),
@@ -289,6 +291,46 @@ def test_pull_a_tag_back_from_the_hub_into_a_verified_directory(hub, project, tm
                            env={**env, "PIPELINE_LOG_LEVEL": "debug"})
     assert debug.returncode == 0, debug.stderr
     assert re.search(rf"INFO httpx2?: HTTP Request: GET {hub.url}/api/models/{REPO_ID}", debug.stderr), debug.stderr
+
+
+def test_two_pulls_at_once_download_a_version_once_and_a_later_pull_downloads_nothing(hub, project, tmp_path):
+    """Two processes pull one version into one cache at the same moment (both started while the version's lock is
+    held, so both wait for it): the archive is downloaded once, and the second finds the first's; a third pull, and a
+    pull --offline, download nothing. Counted at the test Hub."""
+    from pipeline.host import locking
+
+    ensure_published(project, "256_bf16_host")
+    version = version_of(project, "256_bf16_host")
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "h"),
+           "PATH": "/usr/bin:/bin"}
+    dest = tmp_path / "cache"
+    command = [sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(dest), "--allow-unsigned"]
+    calls = len(hub.calls)
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    with locking.held(dest, f"pull-{version}"):
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
+                 for log in logs]
+        deadline = time.monotonic() + 120
+        while not all(f"waiting for pull-{version}" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [log.read_text()
+                                                                                          for log in logs]
+            time.sleep(0.2)
+    printed = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [log.read_text() for log in logs]
+    assert printed[0] == printed[1] and Path(printed[0].strip()).is_dir()
+    archive = json.loads(files_at(hub, version)["256_bf16_host/manifest.json"])["archive"]["name"]
+
+    def downloads(since: int) -> list[str]:
+        return [path for method, path in hub.calls[since:] if "/resolve/" in path and method == "GET"]
+
+    assert len([path for path in downloads(calls) if path.endswith(archive)]) == 1, downloads(calls)
+    assert sum("nothing downloaded" in log.read_text() for log in logs) == 1
+    calls = len(hub.calls)
+    third = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert third.returncode == 0 and third.stdout == printed[0], third.stderr
+    offline = subprocess.run([*command, "--offline"], capture_output=True, text=True, env=env, timeout=300)
+    assert offline.returncode == 0 and offline.stdout == printed[0], offline.stderr
+    assert downloads(calls) == [] and "nothing downloaded" in third.stderr
 
 
 def test_versions_lists_a_hub_repo_from_one_download_of_its_index(hub, project, tmp_path):

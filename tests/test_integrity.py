@@ -352,11 +352,14 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
     assert [sha256_file(path / m.path) for m in manifest.members] == [m.sha256 for m in manifest.members]
     again = pull_cli(str(signed_project / "published"), version, "--dest", str(tmp_path), "--public-key", keys[1])
     assert again.returncode == 0 and Path(again.stdout.strip()) == path  # idempotent
-    # No downloads left behind; the manifest sits beside the rank directory, not in it, byte for byte as published.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".manifest.json"]
-    published = subprocess.run(["git", "show", f"{version}:512_fp32/manifest.json"], cwd=signed_project / "published",
-                               capture_output=True, check=True).stdout
-    assert (tmp_path / (path.name + ".manifest.json")).read_bytes() == published
+    # No downloads left behind; the manifest and its signature sit beside the rank directory, not in it, byte for byte
+    # as published, with pull's record of the rank files (pipeline/artifact/pulled.py) and the lock folder.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", path.name, path.name + ".manifest.json",
+                                                          path.name + ".manifest.sig", path.name + ".pulled.json"]
+    for published_name, beside in (("manifest.json", ".manifest.json"), ("manifest.sig", ".manifest.sig")):
+        published = subprocess.run(["git", "show", f"{version}:512_fp32/{published_name}"],
+                                   cwd=signed_project / "published", capture_output=True, check=True).stdout
+        assert (tmp_path / (path.name + beside)).read_bytes() == published
     by_variant = pull_cli(str(signed_project / "published"), "512_fp32", "--dest", str(tmp_path), "--public-key",
                           keys[1])
     assert by_variant.returncode == 0 and Path(by_variant.stdout.strip()) == path, by_variant.stderr

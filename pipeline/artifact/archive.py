@@ -172,7 +172,7 @@ def require_verified(build: object) -> VerifiedBuild:
     return build
 
 
-def _stamp(directory: Path, name: str) -> tuple[str, int, int, int]:
+def file_stamp(directory: Path, name: str) -> tuple[str, int, int, int]:
     st = (directory / name).stat()
     return name, st.st_size, st.st_mtime_ns, st.st_ino
 
@@ -197,7 +197,7 @@ def verify_build(directory: Path, members: list[dict]) -> VerifiedBuild:
         raise IntegrityError(f"{directory} holds {found}, expected exactly {expected}")
     for m in members:
         verify_file(directory / m["path"], m["size"], m["sha256"], "rank file")
-    return VerifiedBuild(directory, tuple(members), tuple(_stamp(directory, m["path"]) for m in members))
+    return VerifiedBuild(directory, tuple(members), tuple(file_stamp(directory, m["path"]) for m in members))
 
 
 # -- extraction -----------------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path) -> VerifiedB
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return VerifiedBuild(dest, tuple(manifest.member_files()), tuple(_stamp(dest, m) for m in sorted(allowed)))
+    return VerifiedBuild(dest, tuple(manifest.member_files()), tuple(file_stamp(dest, m) for m in sorted(allowed)))
 
 
 def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, path: Path, expected: dict) -> None:

@@ -1,10 +1,11 @@
 """``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT``: run a pulled version.
 
 Verifies the rank directory against its manifest (``RANK_DIR.manifest.json``, written by ``pull``, or a build folder's
-``../dist/manifest.json``), loads
-the ranks through the backend that built them, and greedy-decodes a chat prompt with the host-side embeddings (and,
-for host-prefill variants, the host prefill) taken from the original checkpoint. Prints the reply on standard output
-and the timing on standard error.
+``../dist/manifest.json``; a pulled version by pull's record of its files where they are unchanged since pull hashed
+them, else by hashing them, as ``--verify-full`` always does), refuses a version this host cannot run (``pull``'s
+rule, pipeline/backends/compatibility.py), loads the ranks through the backend that built them, and greedy-decodes a
+chat prompt with the host-side embeddings (and, for host-prefill variants, the host prefill) taken from the original
+checkpoint. Prints the reply on standard output and the timing on standard error.
 
     python -m pipeline generate /workspace/gemma4_e4b-512_bf16-ncc2.23.6484.0-1f0c9a7e \\
         --checkpoint /data/gemma-4-E4B-it --prompt "What is the capital of France?"
@@ -16,9 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.artifact.archive import verify_build
 from pipeline.artifact.manifest import Manifest, manifest_of
+from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
+from pipeline.cli.pull import host_toolchain, judged
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.serving.engine import require_tokenizer, text_prefix_of
@@ -29,7 +31,7 @@ DEFAULT_NEW_TOKENS = 64  # when --max-new-tokens is not given: this many, or wha
 
 
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int | None,
-             text_prefix: str | None) -> dict:
+             text_prefix: str | None, verify_full: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     from pipeline.recipe.checkpoint import Checkpoint
@@ -37,7 +39,8 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
     from pipeline.recipe.spec import load_spec
 
     manifest = Manifest.read(manifest_of(rank_dir))
-    build = verify_build(rank_dir, manifest.member_files())
+    build, _ = reverified(rank_dir, manifest, verify_full)
+    judged(manifest, host_toolchain())
     shape = manifest.shape
     require_tokenizer(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -73,10 +76,13 @@ def main(argv: list[str]) -> int:
                         help=f"new tokens to decode (default: {DEFAULT_NEW_TOKENS}, or what the cache holds if fewer); "
                              "more than the cache holds is refused, as serve refuses it")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
+    parser.add_argument("--verify-full", action="store_true",
+                        help="hash every rank file, even where pull's record vouches for them")
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
-        result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix)
+        result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix,
+                          args.verify_full)
     print(result["text"])
     log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result["prompt_tokens"],
              result["new_tokens"], result["ttft_ms"], result["tokens_per_s"])

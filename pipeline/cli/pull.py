@@ -11,6 +11,13 @@ the rank files are unpacked into ``DEST/<model>-<version>/``, a directory holdin
 neuronx-distributed's loaders (``parallel_model_load`` for ``tp_N.pt`` files, ``torch.jit.load`` for ModelBuilder's
 ``model.pt``). Its path is printed on standard output.
 
+DEST (``--dest``, default the cache folder, pipeline/core/cache.py) is a cache like the Hub's: beside each rank
+directory are its manifest as published, its signature, and a record of where it came from and of its files when they
+were hashed (pipeline/artifact/pulled.py). A version already there from the same commit is used again with nothing
+downloaded: the signature checked as kept, the rank files by their record (``--verify-full`` hashes them again). A
+version whose files changed is fetched again; one pulled from an archive of another sha256 than the one published
+under its name is refused. Two pulls of one version into one DEST take turns; ``--offline`` asks no source at all.
+
     python -m pipeline pull artifacts/published 512_bf16 --dest /workspace --allow-unsigned
     python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0-1f0c9a7e --dest /workspace \\
         --public-key signing-key.pub.pem
@@ -27,15 +34,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.artifact import signing
+from pipeline.artifact import pulled, signing
 from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import IntegrityError, PipelineError
-from pipeline.core.fsutil import TMP_MARK, reporting_full_disk
+from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, temp_dir_beside
 from pipeline.core.log import exit_on_error, log, setup
-from pipeline.core.names import child, repo_path
+from pipeline.core.names import child, component, repo_path
+from pipeline.host import locking
 from pipeline.publishing import index, layout
 from pipeline.publishing.localrepo import LocalRepo
 
@@ -199,52 +207,185 @@ def destination(dest: Path) -> Path:
     return dest
 
 
-def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool, host: dict | None = None) -> Path:
+def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool, host: dict | None = None,
+         verify_full: bool = False) -> Path:
     """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``; with
     ``host`` (this host's toolchain record), only a version that fits it (pipeline/backends/compatibility.py).
 
+    A version already in ``dest`` from the same commit is used again without a download: its manifest and signature
+    are checked as kept beside it, its rank files by their ``Pulled`` record (pipeline/artifact/pulled.py; hashed in
+    full with ``verify_full``). Two pulls of one version into one ``dest`` take turns (a lock per version): the second
+    finds the first's. ``source`` None pulls nothing: only what ``dest`` holds (``--offline``).
+
     Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
     as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
-    work folder this call made, or as ``dest``'s one rank directory and its manifest.
+    work folder this call made, or as ``dest``'s one rank directory and the files beside it.
     """
     destination(dest)
     with (reporting_full_disk(dest, f"pull {name}"),
           tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
         work = Path(tmp)
-        version, commit = resolve(source, name, work, host, public_key)  # once: every file comes from this commit
-        files = source.files(commit)
-        folder = variant_folder(files, version)
-        source.fetch(commit, layout.path_in(folder, layout.MANIFEST), work / "manifest.json")
-        manifest = Manifest.read(work / "manifest.json")  # its names are checked (Manifest.problems)
-        if manifest.version != version:
-            raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
-                                 f"not {version!r}")
-        judged(manifest, host)
-        if layout.path_in(folder, signing.SIGNATURE) in files:
-            source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE)
-        archive_name = manifest.archive.name
-        accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
-        target = child(dest, manifest.archive.root, "the manifest's archive.root")
-        beside = manifest_beside(target)
-        if target.exists():
-            verify_build(target, manifest.member_files())  # already there: only if it is exactly this version
-            manifest.write(beside)
+        if source is None:
+            version, commit = cached_version(dest, name, host)
+        else:
+            version, commit = resolve(source, name, work, host, public_key)  # once: every file from this commit
+        with locking.held(dest, f"pull-{component(version, 'the version to pull')}"):
+            kept = reused(dest, version, commit, work, public_key, allow_unsigned, host, verify_full)
+            if kept is not None or source is None:
+                if kept is None:
+                    raise PipelineError(f"--offline: {version} is no longer usable in {dest} (see above); pull it "
+                                        "again without --offline")
+                return kept
+            return fetched(source, version, commit, dest, work, public_key, allow_unsigned, host, verify_full)
+
+
+def cached_version(dest: Path, name: str, host: dict | None) -> tuple[str, str]:
+    """``(version, commit)`` for ``name`` among the versions pulled into ``dest``, without asking any source: a
+    version, or a variant's name, which takes the version of that variant pulled last that fits ``host`` (offline,
+    the repository's publish times are not at hand)."""
+    held = [(rank_dir, entry) for rank_dir, entry in pulled.entries(dest)
+            if entry.version == name or entry.version.startswith(name + "-")]
+    skipped = []
+    for rank_dir, entry in sorted(held, key=lambda found: found[1].pulled, reverse=True):
+        manifest = Manifest.read_if_valid(manifest_beside(rank_dir))
+        verdict = compatibility.judge(manifest.backend, manifest.toolchain, host) if manifest and host else None
+        if verdict is not None and verdict.fit == compatibility.Fit.refused:
+            skipped.append(f"{entry.version}: {verdict.says()}")
+            continue
+        if entry.version != name:
+            log.info("pull: offline, %s resolves to %s, the version of that variant pulled last%s", name,
+                     entry.version, " that fits this host" if host else "")
+        return entry.version, entry.commit
+    why = ("; the ones there do not fit this host:\n  - " + "\n  - ".join(skipped)) if skipped else ""
+    raise PipelineError(f"--offline: {dest} holds no pulled version {name!r}{why}; pull it without --offline first "
+                        f"(it holds {sorted(entry.version for _, entry in pulled.entries(dest))})")
+
+
+def reused(dest: Path, version: str, commit: str, work: Path, public_key: str | None, allow_unsigned: bool,
+           host: dict | None, verify_full: bool) -> Path | None:
+    """The rank directory of ``version`` when ``dest`` already holds it from ``commit`` (the same commit: the same
+    bytes) and it still verifies, with no download; else None. One that no longer matches its manifest is removed
+    (this release's pull made it: it has a record), so that it is fetched again."""
+    found = [rank_dir for rank_dir, entry in pulled.entries(dest) if (entry.version, entry.commit) == (version, commit)]
+    if not found:
+        return None
+    rank_dir = found[0]
+    shutil.copyfile(manifest_beside(rank_dir), work / signing.MANIFEST)
+    if pulled.signature_beside(rank_dir).is_file():
+        shutil.copyfile(pulled.signature_beside(rank_dir), work / signing.SIGNATURE)
+    manifest = Manifest.read_if_valid(work / signing.MANIFEST)
+    if manifest is None or (manifest.version, manifest.archive.root) != (version, rank_dir.name):
+        emptied(work)  # a manifest beside it that is not its own: fetched again, as if it were not there
+        return None
+    judged(manifest, host)
+    accepted = signing.check(work, manifest.archive.name, public_key, allow_unsigned, f"{version} in {dest}")
+    try:
+        _, how = pulled.reverified(rank_dir, manifest, verify_full)
+    except IntegrityError as exc:
+        log.warning("pull: %s no longer matches its manifest (%s); fetching it again", rank_dir, exc)
+        discard(rank_dir)
+        emptied(work)
+        return None
+    log.info("pull: %s is in %s (commit %s, signature %s, rank files checked %s): nothing downloaded", version,
+             rank_dir, commit[:12], accepted, how)
+    return rank_dir
+
+
+def emptied(work: Path) -> None:
+    """The work folder without the kept manifest and signature (the signature check allows nothing else there)."""
+    for name in (signing.MANIFEST, signing.SIGNATURE):
+        (work / name).unlink(missing_ok=True)
+
+
+def discard(rank_dir: Path) -> None:
+    """Remove a pulled version: its directory first (one rename: it is gone at once), then what is beside it."""
+    gone = temp_dir_beside(rank_dir)
+    os.replace(rank_dir, gone)
+    for beside in (pulled.pulled_beside(rank_dir), pulled.signature_beside(rank_dir), manifest_beside(rank_dir)):
+        beside.unlink(missing_ok=True)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def fetched(source, version: str, commit: str, dest: Path, work: Path, public_key: str | None, allow_unsigned: bool,
+            host: dict | None, verify_full: bool) -> Path:
+    """``version`` fetched from ``source`` at ``commit``, verified and unpacked into ``dest``; a rank directory of that
+    version already there is used when it holds exactly the published files (the same archive sha256)."""
+    files = source.files(commit)
+    folder = variant_folder(files, version)
+    source.fetch(commit, layout.path_in(folder, layout.MANIFEST), work / signing.MANIFEST)
+    manifest = Manifest.read(work / signing.MANIFEST)  # its names are checked (Manifest.problems)
+    if manifest.version != version:
+        raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
+                             f"not {version!r}")
+    judged(manifest, host)
+    if layout.path_in(folder, signing.SIGNATURE) in files:
+        source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE)
+    archive_name = manifest.archive.name
+    accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
+    target = child(dest, manifest.archive.root, "the manifest's archive.root")
+    if target.exists():
+        build = already_there(target, manifest, work, source.name, verify_full)
+        if build is not None:
+            record = pulled.record(build, manifest, commit, source.name, earlier_pull(target))
+            record.write(pulled.pulled_beside(target))
             log.info("pull: %s is already in %s and verifies", version, target)
             return target
-        source.fetch(commit, layout.path_in(folder, archive_name), child(work, archive_name,
-                                                                        "the manifest's archive.name"))
-        # The manifest goes beside the rank directory (never in it: neuronx-distributed's loader loads every file
-        # there) before the directory appears, so the directory's rename is the one step that makes the version
-        # visible: interrupted before it, there is no rank directory; after it, it has its manifest.
-        manifest.write(beside)
-        try:
-            extract_verified(work / archive_name, manifest, target)
-        except BaseException:
-            if not target.exists():
+    source.fetch(commit, layout.path_in(folder, archive_name), child(work, archive_name, "the manifest's archive.name"))
+    # The manifest (and signature) go beside the rank directory (never in it: neuronx-distributed's loader loads every
+    # file there) before the directory appears, so the directory's rename is the one step that makes the version
+    # visible: interrupted before it, there is no rank directory; after it, it has its manifest. Its record comes
+    # last: a directory without one is hashed in full when used again.
+    keep_beside(work, target)
+    try:
+        build = extract_verified(work / archive_name, manifest, target)
+    except BaseException:
+        if not target.exists():
+            for beside in (manifest_beside(target), pulled.signature_beside(target)):
                 beside.unlink(missing_ok=True)
-            raise
-        log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
-        return target
+        raise
+    pulled.record(build, manifest, commit, source.name).write(pulled.pulled_beside(target))
+    log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
+    return target
+
+
+def already_there(target: Path, manifest: Manifest, work: Path, source_name: str, verify_full: bool):
+    """The ``VerifiedBuild`` of a rank directory of ``manifest``'s version already at ``target``, or None when it was
+    this release's pull's and no longer verifies (it is removed: fetched again). One that is not exactly the published
+    files is refused and left as it is; so is one pulled from an archive of another sha256 (a version names one set
+    of bytes)."""
+    entry = pulled.Pulled.read_if_valid(pulled.pulled_beside(target))
+    if entry is None:  # an earlier release's pull, or somebody's folder: every byte hashed, nothing changed if wrong
+        build = verify_build(target, manifest.member_files())
+        keep_beside(work, target)
+        return build
+    if entry.archive_sha256 != manifest.archive.sha256:
+        raise IntegrityError(
+            f"{target} holds {entry.version} from an archive of sha256 {entry.archive_sha256} (pulled from "
+            f"{entry.source} at {entry.commit[:12]}); {source_name} publishes sha256 {manifest.archive.sha256} under "
+            "that version. A version names one set of bytes, so one of the two is not what was built: pull into "
+            f"another --dest to compare them, or remove {target} (and the files beside it named {target.name}.*) to "
+            "take the published one")
+    keep_beside(work, target)
+    try:
+        return pulled.reverified(target, manifest, verify_full)[0]
+    except IntegrityError as exc:
+        log.warning("pull: %s no longer matches its manifest (%s); fetching it again", target, exc)
+        discard(target)
+        return None
+
+
+def earlier_pull(target: Path) -> str | None:
+    entry = pulled.Pulled.read_if_valid(pulled.pulled_beside(target))
+    return entry.pulled if entry else None
+
+
+def keep_beside(work: Path, target: Path) -> None:
+    """The fetched manifest, byte for byte, and its signature (or none, for an unsigned version) beside ``target``."""
+    atomic_write_bytes(manifest_beside(target), (work / signing.MANIFEST).read_bytes())
+    if (work / signing.SIGNATURE).is_file():
+        atomic_write_bytes(pulled.signature_beside(target), (work / signing.SIGNATURE).read_bytes())
+    else:
+        pulled.signature_beside(target).unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:
@@ -258,6 +399,12 @@ def main(argv: list[str]) -> int:
                              f"{CACHE_ENV} moves it)")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    parser.add_argument("--offline", action="store_true",
+                        help="ask no source: only a version already pulled into --dest (a variant's name takes the one "
+                             "of that variant pulled last); SOURCE is then only named, not read")
+    parser.add_argument("--verify-full", action="store_true",
+                        help="hash a version already pulled in full, instead of trusting its files' unchanged "
+                             "size, mtime, ctime and inode since they were last hashed")
     parser.add_argument("--any-host", action="store_true",
                         help="fetch and verify without judging whether this host can run it (to serve it elsewhere, "
                              "or to build an image on another machine); a variant's name then takes its newest")
@@ -269,7 +416,8 @@ def main(argv: list[str]) -> int:
             raise PipelineError(problem)
         dest = (args.dest or versions_dir()).resolve()
         host = None if args.any_host else host_toolchain()
-        path = pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned, host)
+        source = None if args.offline else source_for(args.source)
+        path = pull(source, args.version, dest, args.public_key, args.allow_unsigned, host, args.verify_full)
     print(path)
     return 0
 

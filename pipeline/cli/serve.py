@@ -4,7 +4,9 @@ SOURCE is what ``pull`` takes (a local publish folder or a Hugging Face repo id,
 variant's name, its newest version that fits this host), or a directory ``pull`` printed (VERSION may then be left
 out); a version this host cannot run is refused before anything loads (pipeline/backends/compatibility.py). The
 version is pulled and verified exactly as ``pull`` does it (signature, archive and every rank file's sha256; nothing is
-loaded unverified), and a pulled directory's rank files are checked against the manifest beside it again. The port is
+loaded unverified; a version already in the cache is used with nothing downloaded, ``--offline`` without asking the
+source), and a pulled directory's rank files are checked against the manifest beside it again: by pull's record of
+them where they are unchanged since it hashed them, else, or with ``--verify-full``, by hashing them. The port is
 taken first, so a port in use is named before any work. The server then listens at once and loads the build in the
 background: ``GET /health`` answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200
 ``ready``.
@@ -83,7 +85,8 @@ def obtain(args: argparse.Namespace) -> Path:
     if problem:
         raise PipelineError(problem)
     dest = (args.dest or versions_dir()).resolve()
-    return pull(source_for(args.source), args.version, dest, args.public_key, args.allow_unsigned, host_toolchain())
+    source = None if args.offline else source_for(args.source)
+    return pull(source, args.version, dest, args.public_key, args.allow_unsigned, host_toolchain(), args.verify_full)
 
 
 def run_server(service, sock: socket.socket) -> int:
@@ -151,6 +154,11 @@ def main(argv: list[str]) -> int:
                         help=f"where a pulled version is unpacked (default: {versions_dir()}, the cache folder)")
     parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
     parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    parser.add_argument("--offline", action="store_true",
+                        help="ask no source: serve a version already pulled into --dest (a variant's name: the one "
+                             "of that variant pulled last that fits this host)")
+    parser.add_argument("--verify-full", action="store_true",
+                        help="hash every rank file before loading, even where pull's record vouches for them")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
@@ -176,9 +184,9 @@ def main(argv: list[str]) -> int:
         try:
             rank_dir = obtain(args)
             engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix)
-            engine.verify()
-            log.info("serve: %s verified; listening on http://%s:%d while it loads", engine.version, args.host,
-                     sock.getsockname()[1])
+            how = engine.verify(args.verify_full)
+            log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
+                     engine.version, how, args.host, sock.getsockname()[1])
             return run_server(Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes), sock)
         finally:
             sock.close()

@@ -1,8 +1,9 @@
 """The decode engine behind ``serve``: one verified build, loaded once, decoding one request at a time.
 
-``Engine.load`` does what ``generate`` does (verify the rank files against the manifest, load them with the backend
-that built them, open the checkpoint for the host's embedding lookups), then decodes a warm-up token so that the
-first request does not pay for the graphs' first run. The host keeps only what it computes: the token and per-layer
+``Engine.load`` does what ``generate`` does (verify the rank files against the manifest, by pull's record where
+they are unchanged since it hashed them, load them with the backend that built them, open the checkpoint for the
+host's embedding lookups), then decodes a warm-up token so that the first request does not pay for the graphs' first
+run. The host keeps only what it computes: the token and per-layer
 embedding tables stay in their safetensors files, memory-mapped, and only the rows of the tokens it embeds are read
 (``recipe/host.HostEmbeddings``); no decoder layer and no float copy of a table is on the host. A host-prefill build
 is the exception: the prompt runs through the float model on the host (``HostPrefill``), which holds every decoder
@@ -24,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifact.archive import verify_build
 from pipeline.artifact.manifest import Manifest, manifest_of
+from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
@@ -114,10 +115,13 @@ class Engine:
         # moment meets as "Already borrowed" (huggingface/tokenizers#537): one at a time.
         self._tokenizer_lock = threading.Lock()
 
-    def verify(self) -> None:
-        """The rank files against the manifest (sha256 of each), and the checkpoint's tokenizer: before any load."""
-        self.build = verify_build(self.rank_dir, self.manifest.member_files())
+    def verify(self, full: bool = False) -> str:
+        """The rank files against the manifest, and the checkpoint's tokenizer: before any load. A pulled version's
+        files are checked by their record when unchanged since pull hashed them (pipeline/artifact/pulled.py), else
+        (or with ``full``) hashed; returns which."""
+        self.build, how = reverified(self.rank_dir, self.manifest, full)
         require_tokenizer(self.checkpoint)
+        return how
 
     def load(self) -> None:
         from transformers import AutoTokenizer
