@@ -25,12 +25,9 @@ from pipeline.cli.pull import host_toolchain, source_for
 from pipeline.core.log import exit_on_error, setup
 from pipeline.core.records import encode
 from pipeline.publishing import index
+from pipeline.publishing.card import cell
 
 COLUMNS = ("version", "variant", "compiler", "tok/s", "first token ms", "signed", "published", "fits this host")
-
-
-def cell(value, fmt: str = "{}") -> str:
-    return "-" if value is None else fmt.format(value)
 
 
 def table(rows: list[tuple[index.Published, compatibility.Verdict]]) -> str:

@@ -11,7 +11,8 @@ from typing import Any
 from pipeline.artifact.manifest import Manifest
 
 
-def _cell(value: Any, fmt: str = "{}") -> str:
+def cell(value: Any, fmt: str = "{}") -> str:
+    """A table cell: the value in ``fmt``, or a dash for none (the model card's table and ``versions's)."""
     return "–" if value is None else fmt.format(value)
 
 
@@ -28,8 +29,8 @@ def _row(m: Manifest) -> str:
     tput, parity = val.get("throughput", {}), val.get("parity", {})
     parity_text = "–" if not parity else f"{'pass' if parity.get('passed') else 'FAIL'} ({parity.get('mode')})"
     return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} "
-            f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {_cell(tput.get('tokens_per_s'), '{:.1f}')} "
-            f"| {_cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
+            f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {cell(tput.get('tokens_per_s'), '{:.1f}')} "
+            f"| {cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
 
 
 def usage(example: Manifest | None, source: str) -> str:
