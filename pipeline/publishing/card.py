@@ -12,7 +12,7 @@ from pipeline.artifact.manifest import Manifest
 
 
 def cell(value: Any, fmt: str = "{}") -> str:
-    """A table cell: the value in ``fmt``, or a dash for none (the model card's table and ``versions's)."""
+    """A table cell: the value in ``fmt``, or a dash for none (the model card's table, and ``versions``' table)."""
     return "–" if value is None else fmt.format(value)
 
 
