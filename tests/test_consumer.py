@@ -357,3 +357,23 @@ def test_offline_pull_takes_only_what_the_cache_holds(repo, tmp_path):
     assert "nothing downloaded" in got.stderr
     unsigned = cli("pull", "no-such/repository", version, "--offline", "--dest", dest)
     assert unsigned.returncode == 1 and "is not signed" in unsigned.stderr  # the signing policy holds offline too
+
+
+def test_serve_restarted_offline_serves_the_cached_version(validated_512_fp32, tmp_path):
+    """A server restarted with no source to ask (a Hub that is down, say) serves the version in its cache, checked
+    by its record. Here, not in test_serve.py: serve's own behaviour across versions is tested there, and this is the
+    cache's (one server start, in make test only)."""
+    from .test_serve import Server
+
+    folder, weights = validated_512_fp32 / "published", validated_512_fp32 / "gemma4_tiny" / "weights"
+    version = cpu_version(folder)
+    assert cli("pull", str(folder), version, "--allow-unsigned", "--dest", str(tmp_path)).returncode == 0
+    restarted = Server((folder, weights, version), tmp_path, source=["no-such/repository", VARIANT, "--dest",
+                                                                     str(tmp_path), "--allow-unsigned", "--offline"])
+    try:
+        restarted.wait_ready()
+        said = restarted.log.read_text()
+        assert "nothing downloaded" in said and "verified (rank files checked by its record)" in said, said
+        assert restarted.get("/v1/models").json()["data"][0]["id"] == version
+    finally:
+        assert restarted.stop() == 0

@@ -99,8 +99,8 @@ def test_every_module_a_stage_runs_is_in_its_code(monkeypatch, tmp_path):
     for stage, code in stages.CODE.items():
         files = [f for rel in code for f in ([tmp_path / "pipeline" / rel] if rel.endswith(".py")
                                              else sorted((tmp_path / "pipeline" / rel).rglob("*.py")))]
+        before = stages.code_of(stage)
         for path in files:
-            before = stages.code_of(stage)
             original = path.read_text()
             path.write_text(original + "\n_edited = 1\n")
             assert stages.code_of(stage) != before, f"{stage}: editing {path.name} left its digest unchanged"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import types
 import typing
@@ -35,7 +36,14 @@ def fingerprint(parts: dict[str, Any]) -> str:
 
 def _semantic_source(path: Path) -> str:
     """The code of a Python file without comments, formatting or docstrings: what it does, not how it reads."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    return _semantic_text(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=1024)
+def _semantic_text(text: str, filename: str) -> str:
+    # Cached by the text itself: a run computes several stages' code digests over mostly the same files, and parsing
+    # is what costs; a file that changed is a new key.
+    tree = ast.parse(text, filename=filename)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
