@@ -377,3 +377,73 @@ def test_serve_restarted_offline_serves_the_cached_version(validated_512_fp32, t
         assert restarted.get("/v1/models").json()["data"][0]["id"] == version
     finally:
         assert restarted.stop() == 0
+
+
+def test_the_same_version_from_another_source_is_checked_against_it_not_taken_on_trust(repo, tmp_path):
+    folder, _ = repo
+    version, dest = cpu_version(folder), tmp_path / "cache"
+    mirror = tmp_path / "mirror"
+    shutil.copytree(folder, mirror)  # the same commits: only the record's source tells them apart
+    path = pull(Counted(folder), version, dest, None, True)
+    source = Counted(mirror)
+    assert pull(source, version, dest, None, True) == path
+    assert source.fetched == [f"{VARIANT}/manifest.json"]  # its manifest read and compared; the archive not again
+    assert Pulled.read(pulled_beside(path)).source == str(mirror.resolve())
+
+
+def test_files_another_user_could_change_are_hashed_every_time(repo, tmp_path, caplog):
+    folder, _ = repo
+    version, source, dest = cpu_version(folder), Counted(folder), tmp_path / "cache"
+    path = pull(source, version, dest, None, True)
+    (path / "tp_0.pt").chmod(0o646)  # world-writable
+    with caplog.at_level("INFO", logger="pipeline"):
+        pull(source, version, dest, None, True)
+    assert "tp_0.pt could be changed by another user" in caplog.text and "rank files checked hashed" in caplog.text
+
+
+def test_an_edited_manifest_beside_a_pulled_version_is_replaced_by_the_published_one(repo, tmp_path, caplog):
+    folder, _ = repo
+    version, source, dest = cpu_version(folder), Counted(folder), tmp_path / "cache"
+    path = pull(source, version, dest, None, True)
+    published = manifest_beside(path).read_bytes()
+    edited = json.loads(published)
+    edited["created_by"] = "someone else"
+    manifest_beside(path).write_text(json.dumps(edited))
+    source.fetched.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert pull(source, version, dest, None, True) == path
+    assert "is not the one pulled with it; fetching it again" in caplog.text
+    assert manifest_beside(path).read_bytes() == published and source.fetched == [f"{VARIANT}/manifest.json"]
+
+
+def test_a_record_left_behind_is_removed_before_the_version_is_unpacked_again(repo, tmp_path, monkeypatch):
+    """The rank directory removed by hand, its record left (of another archive, from another commit): pulled again and
+    interrupted before the new record is written, the next pull hashes the directory instead of refusing it."""
+    from pipeline.cli import pull as pull_module
+
+    folder, _ = repo
+    version, dest = cpu_version(folder), tmp_path / "cache"
+    path = pull(LocalSource(folder), version, dest, None, True)
+    shutil.rmtree(path)
+    replace(Pulled.read(pulled_beside(path)), archive_sha256="0" * 64, commit="f" * 40).write(pulled_beside(path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pull_module.pulled, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pull(LocalSource(folder), version, dest, None, True)
+    monkeypatch.undo()
+    assert path.is_dir() and not pulled_beside(path).exists()
+    assert pull(LocalSource(folder), version, dest, None, True) == path
+    assert Pulled.read(pulled_beside(path)).archive_sha256 == Manifest.read(manifest_beside(path)).archive.sha256
+
+
+def test_two_versions_that_unpack_to_one_directory_do_not_share_a_folder(repo, tmp_path):
+    folder, built = repo  # the fixture's neuron versions reuse the cpu build's archive, and so its directory name
+    dest = tmp_path / "cache"
+    path = pull(LocalSource(folder), cpu_version(folder), dest, None, True)
+    with pytest.raises(IntegrityError, match=rf"holds {cpu_version(folder)}.*{built[OLDER]} unpacks to the same "
+                                             r"directory.*pull it into another --dest"):
+        pull(LocalSource(folder), built[OLDER], dest, None, True)
+    assert Pulled.read(pulled_beside(path)).version == cpu_version(folder)

@@ -18,7 +18,7 @@ import yaml
 from pipeline.core.fsutil import sha256_file
 
 from . import fake_sdk
-from .helpers import stand_in_floors
+from .helpers import STAND_IN_REGRESSION, stand_in_floors
 
 REPO = Path(__file__).resolve().parent.parent
 COPY = ["conf", "pipeline", "hydra_plugins", "dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots", ".dvcignore",
@@ -281,10 +281,10 @@ def stand_in_variants(dst: Path) -> None:
     validate["throughput"].update(contexts=["short"], decode_tokens=4)
     stand_in_floors(validate)
     (dst / "conf" / "validate" / "default.yaml").write_text(yaml.safe_dump(validate))
-    # Timings of a tiny model on a shared 2-core machine vary by tens of percent between runs: the regression gate
-    # (tested on its own in test_rebuild.py) must not turn that noise into a failed rebuild here.
+    # Timings of a tiny model on a shared 2-core machine swing by up to two orders of magnitude (helpers.py says when):
+    # the regression gate (tested on its own in test_rebuild.py) must not turn that noise into a failed rebuild here.
     publish = yaml.safe_load((dst / "conf" / "publish" / "local.yaml").read_text())
-    publish["regression"].update(tokens_per_s_drop=0.9, ttft_ms_rise=10.0)
+    publish["regression"].update(STAND_IN_REGRESSION)
     (dst / "conf" / "publish" / "local.yaml").write_text(yaml.safe_dump(publish))
 
 

@@ -129,6 +129,7 @@ class ListingSource:
 
     def __init__(self, real: LocalSource, version: str, extra_files: list[str]):
         self.real, self.version, self.extra, self.name = real, version, extra_files, "a hostile listing"
+        self.identity = self.name
         self.fetched: list[str] = []
 
     def tags(self):

@@ -366,6 +366,19 @@ def test_pull_verifies_and_unpacks_a_published_version(signed_project, tmp_path,
     assert f"512_fp32 resolves to {version}, the newest published version of that variant" in by_variant.stderr
 
 
+def test_a_signature_kept_beside_a_pulled_version_that_fails_is_fetched_again(signed_project, tmp_path, keys):
+    repo, version = str(signed_project / "published"), published_version(signed_project)
+    path = Path(pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[1]).stdout.strip())
+    kept = tmp_path / (path.name + ".manifest.sig")
+    published = kept.read_bytes()
+    kept.write_bytes(b"not a signature")
+    again = pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[1])
+    assert again.returncode == 0 and "fails" in again.stderr and "fetching it again" in again.stderr, again.stderr
+    assert kept.read_bytes() == published and Path(again.stdout.strip()) == path
+    wrong = pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[2])  # the published one fails too
+    assert wrong.returncode == 1 and "Key mismatch" in wrong.stderr
+
+
 def test_pull_refuses_wrong_keys_unknown_versions_and_foreign_directories(signed_project, tmp_path, keys):
     repo, version = str(signed_project / "published"), published_version(signed_project)
     wrong = pull_cli(repo, version, "--dest", str(tmp_path), "--public-key", keys[2])

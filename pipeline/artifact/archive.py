@@ -155,13 +155,12 @@ class VerifiedBuild:
 
     directory: Path
     members: tuple[dict, ...]
-    stamps: tuple[tuple[str, int, int, int], ...]  # (name, size, mtime_ns, inode)
+    stamps: tuple[tuple[str, int, int, int, int], ...]  # (name, size, mtime_ns, ctime_ns, inode)
 
     def recheck(self) -> None:
-        for name, size, mtime_ns, inode in self.stamps:
-            st = (self.directory / name).stat()
-            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime_ns, inode):
-                raise IntegrityError(f"{self.directory / name} changed after it was verified: refusing to load it")
+        for stamp in self.stamps:
+            if file_stamp(self.directory, stamp[0]) != stamp:
+                raise IntegrityError(f"{self.directory / stamp[0]} changed after it was verified: refusing to load it")
 
 
 def require_verified(build: object) -> VerifiedBuild:
@@ -172,9 +171,11 @@ def require_verified(build: object) -> VerifiedBuild:
     return build
 
 
-def file_stamp(directory: Path, name: str) -> tuple[str, int, int, int]:
+def file_stamp(directory: Path, name: str) -> tuple[str, int, int, int, int]:
+    """What ``stat`` says of a file that any change to it moves: size, mtime, ctime (no user call can set it back)
+    and inode."""
     st = (directory / name).stat()
-    return name, st.st_size, st.st_mtime_ns, st.st_ino
+    return name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
@@ -195,9 +196,14 @@ def verify_build(directory: Path, members: list[dict]) -> VerifiedBuild:
     expected = sorted(m["path"] for m in members)
     if found != expected:
         raise IntegrityError(f"{directory} holds {found}, expected exactly {expected}")
+    stamps = []
     for m in members:
+        before = file_stamp(directory, m["path"]) if (directory / m["path"]).is_file() else None
         verify_file(directory / m["path"], m["size"], m["sha256"], "rank file")
-    return VerifiedBuild(directory, tuple(members), tuple(file_stamp(directory, m["path"]) for m in members))
+        if file_stamp(directory, m["path"]) != before:  # the stamp must be of the bytes that were hashed
+            raise IntegrityError(f"rank file {directory / m['path']} changed while it was being verified: refusing it")
+        stamps.append(before)
+    return VerifiedBuild(directory, tuple(members), tuple(stamps))
 
 
 # -- extraction -----------------------------------------------------------------------------------------------------

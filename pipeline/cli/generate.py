@@ -39,8 +39,8 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
     from pipeline.recipe.spec import load_spec
 
     manifest = Manifest.read(manifest_of(rank_dir))
+    judged(manifest, host_toolchain())  # before any byte is hashed
     build, _ = reverified(rank_dir, manifest, verify_full)
-    judged(manifest, host_toolchain())
     shape = manifest.shape
     require_tokenizer(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

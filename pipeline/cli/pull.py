@@ -26,6 +26,7 @@ under its name is refused. Two pulls of one version into one DEST take turns; ``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -40,7 +41,7 @@ from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import IntegrityError, PipelineError
-from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, temp_dir_beside
+from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.names import child, component, repo_path
 from pipeline.host import locking
@@ -54,6 +55,7 @@ class LocalSource:
     def __init__(self, path: Path):
         self.repo = LocalRepo(path)
         self.name = str(path)
+        self.identity = str(Path(path).resolve())  # what a pulled version's record names as where it came from
 
     def tags(self) -> dict[str, str]:
         return self.repo.tags()
@@ -75,9 +77,10 @@ class HubSource:
     def __init__(self, repo_id: str):
         from huggingface_hub import HfApi, get_token
 
-        from pipeline.publishing.hub import endpoint
+        from pipeline.publishing.hub import endpoint, endpoint_url
 
         self.api, self.repo_id, self.name = HfApi(endpoint=endpoint(), token=get_token()), repo_id, repo_id
+        self.identity = f"{endpoint_url().rstrip('/')}/{repo_id}"  # the same repo id on another Hub is another source
 
     @contextmanager
     def asking(self, what: str) -> Iterator[None]:
@@ -219,7 +222,8 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
 
     Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
     as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
-    work folder this call made, or as ``dest``'s one rank directory and the files beside it.
+    work folder this call made, or as ``dest``'s one rank directory and the files beside it, or as the version's lock
+    in ``dest/.locks/``.
     """
     destination(dest)
     with (reporting_full_disk(dest, f"pull {name}"),
@@ -229,14 +233,22 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
             version, commit = cached_version(dest, name, host)
         else:
             version, commit = resolve(source, name, work, host, public_key)  # once: every file from this commit
-        with locking.held(dest, f"pull-{component(version, 'the version to pull')}"):
-            kept = reused(dest, version, commit, work, public_key, allow_unsigned, host, verify_full)
-            if kept is not None or source is None:
-                if kept is None:
-                    raise PipelineError(f"--offline: {version} is no longer usable in {dest} (see above); pull it "
-                                        "again without --offline")
+        with locking.held(dest, lock_name(component(version, "the version to pull"))):
+            kept = reused(dest, version, commit, source, work, public_key, allow_unsigned, host, verify_full)
+            if kept is not None:
                 return kept
+            if source is None:
+                raise PipelineError(f"--offline: {dest} holds no usable {version} (see above); pull it without "
+                                    "--offline")
             return fetched(source, version, commit, dest, work, public_key, allow_unsigned, host, verify_full)
+
+
+def lock_name(version: str) -> str:
+    """The lock of ``version`` in a pull folder (``.locks/<name>.lock`` and ``.owner``: within a file name's 255
+    bytes however long the version is)."""
+    if len(version.encode()) <= 200:
+        return f"pull-{version}"
+    return f"pull-{hashlib.sha256(version.encode()).hexdigest()[:32]}"
 
 
 def cached_version(dest: Path, name: str, host: dict | None) -> tuple[str, str]:
@@ -261,15 +273,22 @@ def cached_version(dest: Path, name: str, host: dict | None) -> tuple[str, str]:
                         f"(it holds {sorted(entry.version for _, entry in pulled.entries(dest))})")
 
 
-def reused(dest: Path, version: str, commit: str, work: Path, public_key: str | None, allow_unsigned: bool,
+def reused(dest: Path, version: str, commit: str, source, work: Path, public_key: str | None, allow_unsigned: bool,
            host: dict | None, verify_full: bool) -> Path | None:
-    """The rank directory of ``version`` when ``dest`` already holds it from ``commit`` (the same commit: the same
-    bytes) and it still verifies, with no download; else None. One that no longer matches its manifest is removed
-    (this release's pull made it: it has a record), so that it is fetched again."""
-    found = [rank_dir for rank_dir, entry in pulled.entries(dest) if (entry.version, entry.commit) == (version, commit)]
+    """The rank directory of ``version`` when ``dest`` already holds it from ``source`` at ``commit`` (the same commit
+    of the same source: the same bytes) and it still verifies, with no download; else None, and it is fetched. One
+    that no longer matches its manifest is removed first (this release's pull made it: it has a record). Offline
+    (``source`` None), any source's will do, and one that does not verify is refused, not removed."""
+    offline = source is None
+    found = [rank_dir for rank_dir, held in pulled.entries(dest) if (held.version, held.commit) == (version, commit)
+             and (offline or held.source == source.identity)]
     if not found:
         return None
-    rank_dir = found[0]
+    rank_dir, entry = found[0], pulled.Pulled.read(pulled.pulled_beside(found[0]))
+    if sha256_file(manifest_beside(rank_dir)) != entry.manifest_sha256:
+        log.warning("pull: the manifest beside %s is not the one pulled with it%s", rank_dir,
+                    "" if offline else "; fetching it again")
+        return None
     shutil.copyfile(manifest_beside(rank_dir), work / signing.MANIFEST)
     if pulled.signature_beside(rank_dir).is_file():
         shutil.copyfile(pulled.signature_beside(rank_dir), work / signing.SIGNATURE)
@@ -278,10 +297,19 @@ def reused(dest: Path, version: str, commit: str, work: Path, public_key: str | 
         emptied(work)  # a manifest beside it that is not its own: fetched again, as if it were not there
         return None
     judged(manifest, host)
-    accepted = signing.check(work, manifest.archive.name, public_key, allow_unsigned, f"{version} in {dest}")
+    try:
+        accepted = signing.check(work, manifest.archive.name, public_key, allow_unsigned, f"{version} in {dest}")
+    except IntegrityError as exc:
+        if offline or public_key is None:  # the signing policy refuses it: a download would be refused the same way
+            raise
+        log.warning("pull: the signature kept beside %s fails (%s); fetching it again", rank_dir, exc)
+        emptied(work)  # fetched: the published manifest and signature are checked as every pull checks them
+        return None
     try:
         _, how = pulled.reverified(rank_dir, manifest, verify_full)
     except IntegrityError as exc:
+        if offline:
+            raise IntegrityError(f"--offline: {exc}; pull it again without --offline") from None
         log.warning("pull: %s no longer matches its manifest (%s); fetching it again", rank_dir, exc)
         discard(rank_dir)
         emptied(work)
@@ -326,7 +354,7 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
     if target.exists():
         build = already_there(target, manifest, work, source.name, verify_full)
         if build is not None:
-            record = pulled.record(build, manifest, commit, source.name, earlier_pull(target))
+            record = pulled.record(build, manifest, commit, source.identity, earlier_pull(target))
             record.write(pulled.pulled_beside(target))
             log.info("pull: %s is already in %s and verifies", version, target)
             return target
@@ -334,7 +362,9 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
     # The manifest (and signature) go beside the rank directory (never in it: neuronx-distributed's loader loads every
     # file there) before the directory appears, so the directory's rename is the one step that makes the version
     # visible: interrupted before it, there is no rank directory; after it, it has its manifest. Its record comes
-    # last: a directory without one is hashed in full when used again.
+    # last (one left by a directory removed by hand goes first): a directory without one is hashed in full when used
+    # again.
+    pulled.pulled_beside(target).unlink(missing_ok=True)
     keep_beside(work, target)
     try:
         build = extract_verified(work / archive_name, manifest, target)
@@ -343,7 +373,7 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
             for beside in (manifest_beside(target), pulled.signature_beside(target)):
                 beside.unlink(missing_ok=True)
         raise
-    pulled.record(build, manifest, commit, source.name).write(pulled.pulled_beside(target))
+    pulled.record(build, manifest, commit, source.identity).write(pulled.pulled_beside(target))
     log.info("pull: %s (commit %s, signature %s) -> %s", version, commit[:12], accepted, target)
     return target
 
@@ -358,6 +388,10 @@ def already_there(target: Path, manifest: Manifest, work: Path, source_name: str
         build = verify_build(target, manifest.member_files())
         keep_beside(work, target)
         return build
+    if entry.version != manifest.version:
+        raise IntegrityError(f"{target} holds {entry.version}, pulled from {entry.source}: {manifest.version} unpacks "
+                             f"to the same directory (archive.root {manifest.archive.root!r}); pull it into another "
+                             "--dest")
     if entry.archive_sha256 != manifest.archive.sha256:
         raise IntegrityError(
             f"{target} holds {entry.version} from an archive of sha256 {entry.archive_sha256} (pulled from "

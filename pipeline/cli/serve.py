@@ -3,10 +3,11 @@
 SOURCE is what ``pull`` takes (a local publish folder or a Hugging Face repo id, with VERSION a published version or a
 variant's name, its newest version that fits this host), or a directory ``pull`` printed (VERSION may then be left
 out); a version this host cannot run is refused before anything loads (pipeline/backends/compatibility.py). The
-version is pulled and verified exactly as ``pull`` does it (signature, archive and every rank file's sha256; nothing is
-loaded unverified; a version already in the cache is used with nothing downloaded, ``--offline`` without asking the
-source), and a pulled directory's rank files are checked against the manifest beside it again: by pull's record of
-them where they are unchanged since it hashed them, else, or with ``--verify-full``, by hashing them. The port is
+version is pulled and verified exactly as ``pull`` does it (signature, archive and every rank file's sha256; a version
+already in the cache is used with nothing downloaded, ``--offline`` without asking the source), and a pulled
+directory's rank files are checked against the manifest beside it again: by pull's record of them where they are
+unchanged since they were hashed and no other user could have changed them (pipeline/artifact/pulled.py), else, or with
+``--verify-full``, by hashing them. The port is
 taken first, so a port in use is named before any work. The server then listens at once and loads the build in the
 background: ``GET /health`` answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200
 ``ready``.
@@ -184,7 +185,7 @@ def main(argv: list[str]) -> int:
         try:
             rank_dir = obtain(args)
             engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix)
-            how = engine.verify(args.verify_full)
+            how = engine.verify(args.verify_full and is_rank_dir(args.source))  # pull has just hashed the others
             log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
                      engine.version, how, args.host, sock.getsockname()[1])
             return run_server(Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes), sock)
