@@ -13,10 +13,11 @@ neuronx-distributed's loaders (``parallel_model_load`` for ``tp_N.pt`` files, ``
 
 DEST (``--dest``, default the cache folder, pipeline/core/cache.py) is a cache like the Hub's: beside each rank
 directory are its manifest as published, its signature, and a record of where it came from and of its files when they
-were hashed (pipeline/artifact/pulled.py). A version already there from the same commit is used again with nothing
-downloaded: the signature checked as kept, the rank files by their record (``--verify-full`` hashes them again). A
-version whose files changed is fetched again; one pulled from an archive of another sha256 than the one published
-under its name is refused. Two pulls of one version into one DEST take turns; ``--offline`` asks no source at all.
+were hashed (pipeline/artifact/pulled.py). A version already there from the same commit of the same source is used
+again with nothing downloaded: the signature checked as kept, the rank files by their record where no other user could
+have changed them (``--verify-full`` hashes them again). A version whose files changed is fetched again; one pulled
+from an archive of another sha256 than the one published under its name is refused. Two pulls of one version into one
+DEST take turns; ``--offline`` asks no source at all.
 
     python -m pipeline pull artifacts/published 512_bf16 --dest /workspace --allow-unsigned
     python -m pipeline pull your-org/gemma-4-E4B-it-inferentia2 2048_bf16-ncc2.23.6484.0-1f0c9a7e --dest /workspace \\
@@ -215,10 +216,11 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
     """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``; with
     ``host`` (this host's toolchain record), only a version that fits it (pipeline/backends/compatibility.py).
 
-    A version already in ``dest`` from the same commit is used again without a download: its manifest and signature
-    are checked as kept beside it, its rank files by their ``Pulled`` record (pipeline/artifact/pulled.py; hashed in
-    full with ``verify_full``). Two pulls of one version into one ``dest`` take turns (a lock per version): the second
-    finds the first's. ``source`` None pulls nothing: only what ``dest`` holds (``--offline``).
+    A version already in ``dest`` from the same commit of the same source is used again without a download: its
+    manifest and signature are checked as kept beside it, its rank files by their ``Pulled`` record
+    (pipeline/artifact/pulled.py; hashed in full with ``verify_full``). Two pulls of one version into one ``dest``
+    take turns (a lock per version): the second finds the first's. ``source`` None pulls nothing: only what ``dest``
+    holds (``--offline``).
 
     Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
     as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
