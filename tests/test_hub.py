@@ -4,6 +4,7 @@ CAS); the Xet token route's failures are tested with Xet enabled, the path produ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -307,9 +308,9 @@ def test_two_pulls_at_once_download_a_version_once_and_a_later_pull_downloads_no
     command = [sys.executable, "-m", "pipeline", "pull", REPO_ID, version, "--dest", str(dest), "--allow-unsigned"]
     calls = len(hub.calls)
     logs = [tmp_path / "first.log", tmp_path / "second.log"]
-    with locking.held(dest, f"pull-{version}"):
-        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
-                 for log in logs]
+    with contextlib.ExitStack() as files, locking.held(dest, f"pull-{version}"):
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=files.enter_context(open(log, "w")),
+                                  text=True, env=env) for log in logs]
         deadline = time.monotonic() + 120
         while not all(f"waiting for pull-{version}" in log.read_text() for log in logs):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [log.read_text()

@@ -282,11 +282,11 @@ def reused(dest: Path, version: str, commit: str, source, work: Path, public_key
     that no longer matches its manifest is removed first (this release's pull made it: it has a record). Offline
     (``source`` None), any source's will do, and one that does not verify is refused, not removed."""
     offline = source is None
-    found = [rank_dir for rank_dir, held in pulled.entries(dest) if (held.version, held.commit) == (version, commit)
-             and (offline or held.source == source.identity)]
+    found = [(rank_dir, entry) for rank_dir, entry in pulled.entries(dest)
+             if (entry.version, entry.commit) == (version, commit) and (offline or entry.source == source.identity)]
     if not found:
         return None
-    rank_dir, entry = found[0], pulled.Pulled.read(pulled.pulled_beside(found[0]))
+    rank_dir, entry = found[0]
     if sha256_file(manifest_beside(rank_dir)) != entry.manifest_sha256:
         log.warning("pull: the manifest beside %s is not the one pulled with it%s", rank_dir,
                     "" if offline else "; fetching it again")
@@ -353,13 +353,9 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
     archive_name = manifest.archive.name
     accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
     target = child(dest, manifest.archive.root, "the manifest's archive.root")
-    if target.exists():
-        build = already_there(target, manifest, work, source.name, verify_full)
-        if build is not None:
-            record = pulled.record(build, manifest, commit, source.identity, earlier_pull(target))
-            record.write(pulled.pulled_beside(target))
-            log.info("pull: %s is already in %s and verifies", version, target)
-            return target
+    if target.exists() and already_there(target, manifest, work, source, commit, verify_full):
+        log.info("pull: %s is already in %s and verifies", version, target)
+        return target
     source.fetch(commit, layout.path_in(folder, archive_name), child(work, archive_name, "the manifest's archive.name"))
     # The manifest (and signature) go beside the rank directory (never in it: neuronx-distributed's loader loads every
     # file there) before the directory appears, so the directory's rename is the one step that makes the version
@@ -380,16 +376,17 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
     return target
 
 
-def already_there(target: Path, manifest: Manifest, work: Path, source_name: str, verify_full: bool):
-    """The ``VerifiedBuild`` of a rank directory of ``manifest``'s version already at ``target``, or None when it was
-    this release's pull's and no longer verifies (it is removed: fetched again). One that is not exactly the published
-    files is refused and left as it is; so is one pulled from an archive of another sha256 (a version names one set
-    of bytes)."""
+def already_there(target: Path, manifest: Manifest, work: Path, source, commit: str, verify_full: bool) -> bool:
+    """Whether the rank directory already at ``target`` is ``manifest``'s version, verified, and now recorded as
+    fetched from ``source`` at ``commit``; False when it was this release's pull's and no longer verifies (it is
+    removed: fetched again). One that is not exactly the published files is refused and left as it is; so is one
+    pulled from an archive of another sha256 (a version names one set of bytes)."""
     entry = pulled.Pulled.read_if_valid(pulled.pulled_beside(target))
     if entry is None:  # an earlier release's pull, or somebody's folder: every byte hashed, nothing changed if wrong
         build = verify_build(target, manifest.member_files())
         keep_beside(work, target)
-        return build
+        pulled.record(build, manifest, commit, source.identity).write(pulled.pulled_beside(target))
+        return True
     if entry.version != manifest.version:
         raise IntegrityError(f"{target} holds {entry.version}, pulled from {entry.source}: {manifest.version} unpacks "
                              f"to the same directory (archive.root {manifest.archive.root!r}); pull it into another "
@@ -397,22 +394,19 @@ def already_there(target: Path, manifest: Manifest, work: Path, source_name: str
     if entry.archive_sha256 != manifest.archive.sha256:
         raise IntegrityError(
             f"{target} holds {entry.version} from an archive of sha256 {entry.archive_sha256} (pulled from "
-            f"{entry.source} at {entry.commit[:12]}); {source_name} publishes sha256 {manifest.archive.sha256} under "
+            f"{entry.source} at {entry.commit[:12]}); {source.name} publishes sha256 {manifest.archive.sha256} under "
             "that version. A version names one set of bytes, so one of the two is not what was built: pull into "
             f"another --dest to compare them, or remove {target} (and the files beside it named {target.name}.*) to "
             "take the published one")
     keep_beside(work, target)
     try:
-        return pulled.reverified(target, manifest, verify_full)[0]
+        build, _ = pulled.reverified(target, manifest, verify_full)
     except IntegrityError as exc:
         log.warning("pull: %s no longer matches its manifest (%s); fetching it again", target, exc)
         discard(target)
-        return None
-
-
-def earlier_pull(target: Path) -> str | None:
-    entry = pulled.Pulled.read_if_valid(pulled.pulled_beside(target))
-    return entry.pulled if entry else None
+        return False
+    pulled.record(build, manifest, commit, source.identity, entry.pulled).write(pulled.pulled_beside(target))
+    return True
 
 
 def keep_beside(work: Path, target: Path) -> None:

@@ -3,9 +3,9 @@
 ``Engine.load`` does what ``generate`` does (verify the rank files against the manifest, by pull's record where
 they are unchanged since it hashed them, load them with the backend that built them, open the checkpoint for the
 host's embedding lookups), then decodes a warm-up token so that the first request does not pay for the graphs' first
-run. The host keeps only what it computes: the token and per-layer
-embedding tables stay in their safetensors files, memory-mapped, and only the rows of the tokens it embeds are read
-(``recipe/host.HostEmbeddings``); no decoder layer and no float copy of a table is on the host. A host-prefill build
+run. The host keeps only what it computes: the token and per-layer embedding tables stay in their safetensors files,
+memory-mapped, and only the rows of the tokens it embeds are read (``recipe/host.HostEmbeddings``); no decoder layer
+and no float copy of a table is on the host. A host-prefill build
 is the exception: the prompt runs through the float model on the host (``HostPrefill``), which holds every decoder
 layer in fp32; ``host_bytes`` says how much, and ``serve`` logs it.
 
