@@ -28,7 +28,7 @@ from pipeline.artifact.formats import FORMATS
 from pipeline.config_errors import merge_reporting, unknown_key_in
 from pipeline.core.choices import StrEnum, values
 from pipeline.core.errors import ConfigError
-from pipeline.core.shape import BuildShape, Dtype, Prefill
+from pipeline.core.shape import BuildShape, Dtype
 from pipeline.core.units import parse_size, visible_cores_problems
 from pipeline.models.tiny_model import TinyModelConfig
 
@@ -165,19 +165,12 @@ class ModelConfig:
 
 
 @dataclass
-class VariantConfig:
-    name: str = MISSING
-    kv_max: int = MISSING
-    """KV cache length: prompt plus generated tokens must fit."""
-    bucket: int = MISSING
-    """Prefill bucket: device prefill runs the prompt in chunks of this many tokens."""
-    dtype: Dtype = MISSING
-    prefill: Prefill = MISSING
-    tp_degree: int = 2
+class VariantConfig(BuildShape):
+    """A variant's file (conf/variant/): its name and its shape, whose fields core/shape.py declares; a file may
+    leave out tp_degree (2: both NeuronCores of an Inferentia2 device)."""
 
-    @property
-    def shape(self) -> BuildShape:
-        return BuildShape(self.kv_max, self.bucket, self.dtype, self.prefill, self.tp_degree)
+    tp_degree: int = 2
+    name: str = MISSING
 
     def problems(self) -> list[str]:
         found = [] if NAME_RE.match(self.name or "") else [f"variant.name={self.name!r} must be a plain name"]

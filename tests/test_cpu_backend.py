@@ -11,6 +11,7 @@ import torch
 
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.cpu import CpuBackend
+from pipeline.core.build_records import TraceResult
 from pipeline.core.errors import CheckpointError, ConfigError, InputError
 from pipeline.core.shape import BuildShape
 from pipeline.recipe.checkpoint import Checkpoint
@@ -31,7 +32,7 @@ LOGIT_BOUND = 1e-3  # fp32 rank files vs transformers: only summation order diff
 BACKEND = CpuBackend()
 
 
-def build(tiny_dir: Path, out: Path, shape: BuildShape) -> dict:
+def build(tiny_dir: Path, out: Path, shape: BuildShape) -> TraceResult:
     return BACKEND.trace(TraceRequest(CheckpointRef(tiny_dir, "model."), shape), out)
 
 

@@ -173,8 +173,9 @@ def test_the_steps_to_add_a_backend_name_what_exists():
     are the protocol's."""
     import inspect
 
-    from pipeline.backends import base, build_code, registry
+    from pipeline.backends import base, build_code, ranks, registry
     from pipeline.config import Backend
+    from pipeline.core import build_records
     from pipeline.host import preflight
 
     steps = section(REPO / "docs" / "design.md", "How to add a backend")
@@ -183,7 +184,7 @@ def test_the_steps_to_add_a_backend_name_what_exists():
             assert (REPO / cited.replace("<name>", name)).exists(), cited
     defined = {"Backend": (base, Backend), "BUILD_CODE": (build_code,), "BACKENDS": (registry,),
                "BackendEntry": (registry,), "NeuronEntry": (registry,), "XlaEntry": (registry,),
-               "Factors": (preflight,)}
+               "Factors": (preflight,), "TraceResult": (build_records,), "ProcessRunner": (ranks,)}
     for name in re.findall(r"`([A-Z][A-Za-z_]+)`", steps):
         assert name in defined, f"design.md names {name}: say where it is defined in this test"
     for name, where in defined.items():

@@ -270,13 +270,13 @@ def forbid_loading(monkeypatch) -> None:
     """Any attempt to start rank processes or load TorchScript fails the test."""
     import torch
 
-    from pipeline.backends import cpu
+    from pipeline.backends import ranks
 
     def refuse(*args, **kwargs):
         pytest.fail("a rank was about to be loaded")
 
     monkeypatch.setattr(torch.jit, "load", refuse)
-    monkeypatch.setattr(cpu, "RankGroup", refuse)
+    monkeypatch.setattr(ranks, "RankGroup", refuse)
 
 
 @pytest.mark.parametrize("tamper", ["flip_archive_byte", "edit_manifest", "remove_signature"])

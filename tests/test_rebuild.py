@@ -143,6 +143,34 @@ def test_a_rebuild_that_makes_the_same_rank_files_is_the_same_version_and_publis
     assert _tags(tmp_path) == [first["version"]]
 
 
+@pytest.mark.parametrize("backend, renamed_by", [
+    ("cpu", {"torch"}),
+    ("neuron", {"torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla"}),
+    ("xla", {"torch", "torch-xla"}),
+])
+def test_a_version_names_the_packages_that_make_its_backends_files_and_no_others(tmp_path, backend, renamed_by):
+    """An upgrade renames the builds whose files it changes and no others: a Neuron compiler upgrade on an inf2 host
+    that also builds backend=cpu (for a comparison) leaves the cpu versions as they were; torch renames every
+    backend's (pipeline/backends/registry.py, build_packages)."""
+    from pipeline.core.build_records import ModelRecord
+    from pipeline.stages import trace
+
+    cfg = config(tmp_path, f"backend={backend}")
+    record = ModelRecord(fingerprint="f", source_fingerprint="s", name="gemma4_tiny", source="tiny", hub_id=None,
+                         revision=None, text_prefix="model.", head_key="lm_head.weight", config_digest="c",
+                         weights_digest="w" * 64, files={}, spec={})
+    installed = ("torch", "transformers", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla",
+                 "torch-xla", "aws-neuronx-runtime-lib")
+    toolchain = {"backend": backend, "packages": {name: {"version": "1.0.0"} for name in installed}}
+    first = trace.inputs_digest(cfg, record, toolchain, backend)
+    renamed = set()
+    for name in installed:
+        upgraded = {**toolchain, "packages": {**toolchain["packages"], name: {"version": "1.0.1"}}}
+        if trace.inputs_digest(cfg, record, upgraded, backend) != first:
+            renamed.add(name)
+    assert renamed == renamed_by
+
+
 # -- the scheduler's decisions ------------------------------------------------------------------------------------
 
 class SimulatedRunner:

@@ -248,17 +248,21 @@ def test_a_record_the_reader_would_refuse_is_never_written(tmp_path, packaged):
     assert not (tmp_path / "build.json").exists()
 
 
-def test_a_variants_fields_are_the_build_shapes_in_the_schema_and_in_the_build_record():
-    """The variant's fields are declared three times, each for a reason: ``BuildShape`` (core/shape.py, build code:
-    what the rank files are made from), ``VariantConfig`` (config.py: OmegaConf needs its enums and MISSING) and the
-    build record's ``Variant`` (core/build_records.py: what a build was made for, read without the schema). Held here
-    to one list, in one order: a field added to one and not the others fails this test."""
+def test_a_variants_fields_are_declared_once_by_the_build_shape():
+    """``BuildShape`` (core/shape.py) declares the fields that decide what is traced, with their types; the config
+    schema's ``VariantConfig`` and the build record's ``Variant`` are build shapes with a name, declaring no shape field
+    again (the schema only gives tp_degree its default): a field added to the shape is in both, typed alike."""
+    import typing
     from dataclasses import fields
 
     from pipeline.config import VariantConfig
     from pipeline.core.build_records import Variant
     from pipeline.core.shape import BuildShape
 
-    shape = [f.name for f in fields(BuildShape)]
-    assert [f.name for f in fields(VariantConfig)] == ["name", *shape]
-    assert [f.name for f in fields(Variant)] == ["name", *shape]
+    shape = typing.get_type_hints(BuildShape)
+    for cls, redeclared in ((VariantConfig, {"tp_degree"}), (Variant, set())):
+        assert issubclass(cls, BuildShape)
+        assert set(cls.__dict__["__annotations__"]) == {"name"} | redeclared, cls
+        hints = typing.get_type_hints(cls)
+        assert {name: hints[name] for name in shape} == shape
+        assert [f.name for f in fields(cls)] == [*shape, "name"]

@@ -17,7 +17,9 @@ import torch
 from pipeline.core.shape import BuildShape
 
 if TYPE_CHECKING:
+    from pipeline.core.build_records import TraceResult
     from pipeline.host.preflight import Need, Resources
+
 
 @dataclass(frozen=True)
 class CheckpointRef:
@@ -85,8 +87,8 @@ class Backend(Protocol):
     def check_load(self, shape: BuildShape) -> None:
         """Refuse, before an archive is unpacked, a build of ``shape`` this backend cannot run."""
 
-    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
-        """Build the ranks into ``out_dir`` (atomically) and return the trace record."""
+    def trace(self, request: TraceRequest, out_dir: Path) -> TraceResult:
+        """Build the ranks into ``out_dir`` (atomically) and say what was built, and how."""
 
     def load(self, build, shape: BuildShape) -> RankRunner:
         """Load a ``pipeline.artifact.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""

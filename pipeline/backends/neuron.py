@@ -52,7 +52,9 @@ from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends import neuron_memory, neuron_sdk
 from pipeline.backends.base import RankRunner, TraceRequest, check_request
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
+from pipeline.backends.neuron_graphs import shape_problems
 from pipeline.backends.torchscript import strip_debug_records
+from pipeline.core.build_records import Member, TraceResult
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
 from pipeline.core.fsutil import read_json, sha256_file, staged_dir
 from pipeline.core.log import log
@@ -79,15 +81,6 @@ def build_members(shape: BuildShape) -> list[str]:
     from pipeline.backends.neuron_rank import NXD_MODEL_FILE
 
     return [NXD_MODEL_FILE] if layout(shape) == NXD_MODEL else rank_members(shape.tp_degree)
-
-
-def shape_problems(shape: BuildShape) -> list[str]:
-    """What the neuron backend refuses beyond the generic checks."""
-    found = []
-    if shape.prefill == "device" and shape.bucket < 2:
-        found.append(f"variant.bucket={shape.bucket} with prefill=device: neuronx-distributed routes prefill and "
-                     "decode calls by their input shapes, so a prefill bucket must hold at least 2 tokens")
-    return found
 
 
 def neuronx_cc_release(toolchain: dict) -> str | None:
@@ -343,7 +336,7 @@ class NeuronBackend:
         if reason:
             raise BuildError(reason)
 
-    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
+    def trace(self, request: TraceRequest, out_dir: Path) -> TraceResult:
         from pipeline.backends.neuron_rank import effective_compiler_args, make_job
 
         shape = request.shape
@@ -378,17 +371,13 @@ class NeuronBackend:
                                  f"(work files kept in {workdir})")
             for name in found:
                 strip_debug_records(tmp / name)  # the same bytes from any checkout, environment or host
-            members = [{"path": name, "size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-                       for name in sorted(found)]
+            members = tuple(Member(name, (tmp / name).stat().st_size, sha256_file(tmp / name)) for name in found)
         shutil.rmtree(workdir, ignore_errors=True)
-        return {
-            "members": members,
-            "layout": layout(shape),
+        return TraceResult(members=members, layout=layout(shape), peak_rss_bytes=peak, details={
             "api": "ModelBuilder" if shape.prefill == "device" else "parallel_model_trace",
             "entries": list(shape.entries),
             "wall_s": round(time.monotonic() - started, 3),
             "compile_s": result["seconds"],
-            "peak_rss_bytes": peak,
             "max_parallel": request.max_parallel,
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
@@ -397,7 +386,7 @@ class NeuronBackend:
             "sdk_added_args": sdk_added_args(commands, list(request.compiler_args)),
             "workdir_bytes": workdir_bytes,
             "device_memory_estimate": neuron_memory.estimate(load_spec(request.checkpoint.directory), shape).record(),
-        }
+        })
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> NeuronRunner:
         return NeuronRunner(require_verified(build), shape)

@@ -7,8 +7,9 @@ ModelBuilder plan.
 - ``NeuronParallel`` gives the recipe neuronx-distributed's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the
   only difference from the cpu backend): inputs cast to the weight dtype, row-parallel partial sums reduced in fp32,
   the vocabulary-split head all-gathered.
-- ``AliasedRank`` turns a rank's KV caches into ``nn.Parameter`` state returned as outputs 1.. and aliased back to
-  themselves (``{cache: 1 + j}``), so they stay resident on the NeuronCore and each call updates them in place.
+- ``AliasedRank`` (pipeline/backends/neuron_graphs.py, which the xla backend lowers too) turns a rank's KV caches
+  into ``nn.Parameter`` state returned as outputs 1.. and aliased back to themselves (``{cache: 1 + j}``), so they
+  stay resident on the NeuronCore and each call updates them in place.
 - Host prefill: ``parallel_model_trace`` calls ``host_prefill_rank(job)`` in each rank process; it slices that
   rank's weights straight from the safetensors files and returns ``(module, aliases)``. ``parallel_model_save``
   writes ``tp_0.pt``, ``tp_1.pt``.
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from pipeline.backends.base import CheckpointRef, example_inputs
+from pipeline.backends.neuron_graphs import AliasedRank
 from pipeline.core.fsutil import reporting_full_disk
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent
@@ -102,36 +104,6 @@ class NeuronParallel(Parallel):
             return ShardLinear(in_features, vocab, dtype)  # replicated: every rank computes the whole row
         _, _, head = nxd_linear_classes()
         return head(in_features, vocab, bias=False, gather_output=True, dtype=dtype)
-
-
-# -- the traced module ------------------------------------------------------------------------------------------------
-
-class AliasedRank(nn.Module):
-    """A rank whose KV caches are graph state: ``forward`` returns ``(logits, *caches)``, and ``aliases()`` maps each
-    cache parameter to its output index, so the runtime writes the updated caches back into the same device memory.
-
-    Logits are fp32 ``[1, vocab]``; the greedy token is taken on the host (one argmax), so no integer output leaves
-    the graph.
-    """
-
-    def __init__(self, decoder):
-        super().__init__()
-        for name in decoder.cache_names():
-            cache = getattr(decoder, name)
-            delattr(decoder, name)  # a buffer becomes a parameter: neuronx-distributed aliases parameters only
-            decoder.register_parameter(name, nn.Parameter(cache, requires_grad=False))
-        self.decoder = decoder
-
-    def forward(self, embeds, per_layer_tokens, positions, last_index):
-        logits, _token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index)
-        return (logits, *caches)
-
-    def caches(self) -> list[nn.Parameter]:
-        return self.decoder.caches()
-
-    def aliases(self) -> dict[nn.Parameter, int]:
-        """``{cache parameter: output index}``; output 0 is the logits."""
-        return {cache: 1 + j for j, cache in enumerate(self.caches())}
 
 
 # -- jobs: what the trace process is asked to do (JSON, so it crosses the process boundary plainly) -----------------

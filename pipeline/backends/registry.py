@@ -6,9 +6,9 @@ carries, whether its builds are compiled for Inferentia.
 Nothing outside ``pipeline/backends/`` compares a backend's name; it asks the backend's entry here
 (tests/test_layers.py holds that). A new backend adds one entry (docs/design.md, "How to add a backend").
 
-The facts live here, not on the classes in ``cpu.py``, ``neuron.py`` and ``xla.py``: those modules are the build code a
-version's inputs digest hashes (``build_code.py``), so a fact added there would rename every published version
-without changing a byte of it. Reading this table imports no backend (the neuron one imports the Neuron SDK).
+The facts live here, not on the classes in ``cpu.py``, ``neuron.py`` and ``xla.py``: reading this table imports no
+backend (the neuron one imports the Neuron SDK, every one torch), and those modules are the build code a version's
+inputs digest hashes (``build_code.py``), so a fact edited there would rename every version they make.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from pipeline.core.shape import BuildShape
 from pipeline.host import preflight
 from pipeline.host.preflight import Factors
 
-# The packages whose versions decide the rank files' bytes (the host's aws-neuronx-* driver and runtime do not). cpu
-# keeps the tuple it was published with (the Neuron names are null there): a new tuple would rename every published
-# cpu version without changing a byte.
+# The packages whose versions decide each backend's rank files' bytes (the host's aws-neuronx-* driver and runtime do
+# not; nor, for cpu and xla, the Neuron packages an inf2 host also has).
 NEURON_BUILD_PACKAGES = ("torch", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla")
 
 
@@ -131,7 +130,7 @@ class XlaEntry(BackendEntry):
 
 
 BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
-    BackendEntry("cpu", "pipeline.backends.cpu:CpuBackend", NEURON_BUILD_PACKAGES, preflight.CPU),
+    BackendEntry("cpu", "pipeline.backends.cpu:CpuBackend", ("torch",), preflight.CPU),
     NeuronEntry("neuron", "pipeline.backends.neuron:NeuronBackend", NEURON_BUILD_PACKAGES, preflight.NEURON,
                 on_neuron_cores=True, neuronx_cc=True, for_inferentia=True),
     XlaEntry("xla", "pipeline.backends.xla:XlaBackend", ("torch", "torch-xla"), preflight.XLA),

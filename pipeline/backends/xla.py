@@ -23,9 +23,10 @@ import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import TraceRequest, check_request
-from pipeline.backends.cpu import CpuRunner, trace_in_processes, trace_record
-from pipeline.backends.neuron import shape_problems
+from pipeline.backends.neuron_graphs import shape_problems
 from pipeline.backends.packages import XLA_EXTRA, XLA_MAKE_TARGET, XLA_MISSING
+from pipeline.backends.ranks import ProcessRunner, trace_in_processes, trace_result
+from pipeline.core.build_records import TraceResult
 from pipeline.core.errors import ConfigError
 from pipeline.core.shape import BuildShape, rank_members
 
@@ -74,13 +75,13 @@ class XlaBackend:
         return {"compiler": "torch_xla (HLO for neuronx-cc)", "torch": torch.__version__,
                 "torch_xla": torch_xla_version(), "python": platform.python_version()}
 
-    def trace(self, request: TraceRequest, out_dir: Path) -> dict:
+    def trace(self, request: TraceRequest, out_dir: Path) -> TraceResult:
         from pipeline.backends import xla_rank
 
         self.check(request)
         started = time.monotonic()
         ranks = trace_in_processes(1, request, Path(out_dir), self.members(request.shape), target=xla_rank.main)
-        return trace_record(ranks, request.shape, started) | self.compiler_info()
+        return trace_result(ranks, request.shape, started, self.compiler_info())
 
     def check_load(self, shape: BuildShape) -> None:
         if shape.tp_degree != 1:
@@ -92,15 +93,9 @@ class XlaBackend:
                               "or at tp_degree 2 on backend=cpu")
         require_torch_xla()
 
-    def load(self, build: VerifiedBuild, shape: BuildShape) -> XlaRunner:
-        self.check_load(shape)
-        return XlaRunner(require_verified(build), shape)
-
-
-class XlaRunner(CpuRunner):
-    """One rank on the XLA device in a child process; the cpu backend's runner drives it unchanged."""
-
-    def __init__(self, build: VerifiedBuild, shape: BuildShape):
+    def load(self, build: VerifiedBuild, shape: BuildShape) -> ProcessRunner:
+        """One rank on the XLA device, in a child process the rank runtime drives (pipeline/backends/ranks.py)."""
         from pipeline.backends import xla_rank
 
-        super().__init__(build, shape, target=xla_rank.main, job=("serve", build, shape))
+        self.check_load(shape)
+        return ProcessRunner(require_verified(build), shape, target=xla_rank.main, job=("serve", build, shape))

@@ -2,9 +2,9 @@
 
 torch-neuronx compiles what torch-xla lowers (neuronx-distributed's ``ModelBuilder`` hands the HLO module torch-xla
 builds for each bucket to neuronx-cc), so lowering here shows what that compiler would see. The module lowered is the
-one the neuron backend compiles: ``AliasedRank`` (``neuron_rank.py``), whose outputs are the logits and every updated
-KV cache (the greedy token is taken on the host). Runs in its own process (torch-xla reads its settings when it is
-imported), started by ``pipeline/backends/xla.py``.
+one the neuron backend compiles: ``AliasedRank`` (``neuron_graphs.py``), whose outputs are the logits and every
+updated KV cache (the greedy token is taken on the host). Runs in its own process (torch-xla reads its settings when
+it is imported), started by ``pipeline/backends/xla.py`` through the rank runtime (``ranks.py``).
 
 Trace, per rank: build the rank with ``XlaParallel`` (torch-xla's collectives), move it to the XLA device, lower each
 entry point (``prefill`` over a bucket, ``decode`` over one token, which is also host prefill's decode-with-state) to
@@ -93,7 +93,7 @@ class XlaVocabHead(VocabHead):
 
 
 class XlaParallel(Parallel):
-    """The recipe's linear layers with torch-xla's collectives (the cpu backend's primitives otherwise)."""
+    """The recipe's linear layers with torch-xla's collectives (the recipe's own primitives otherwise)."""
 
     def row(self, in_features: int, out_features: int, dtype: torch.dtype):
         return XlaRowLinear(in_features, out_features, dtype, self.tp_degree, self.group)
@@ -132,8 +132,9 @@ def counters() -> dict:
 
 
 def rank_module(spec, shape: BuildShape, state: dict[str, torch.Tensor]):
-    """The neuron backend's ``AliasedRank`` of this rank, with torch-xla's collectives, on the XLA device."""
-    from pipeline.backends.neuron_rank import AliasedRank
+    """The ``AliasedRank`` the neuron backend compiles, of this rank, with torch-xla's collectives, on the XLA
+    device."""
+    from pipeline.backends.neuron_graphs import AliasedRank
     from pipeline.recipe.model import build_rank
     from pipeline.recipe.plan import ShardPlan
 
@@ -364,19 +365,19 @@ class LoadedRank:
 # -- the process ------------------------------------------------------------------------------------------------------
 
 def serve(build, shape: BuildShape, conn) -> None:
-    """Load the build's one rank and answer the runner (the cpu backend's protocol) until it says close."""
-    from pipeline.backends.cpu import serve_commands
+    """Load the build's one rank and answer the runner (the rank runtime's protocol) until it says close."""
+    from pipeline.backends.ranks import serve_commands
 
     rank = LoadedRank(read_rank(build, 0), shape)
     serve_commands(conn, 0, rank.step, rank.seed, rank.reset)
 
 
 def main(rank: int, processes: int, init_file: str, job: tuple, conn) -> None:
-    """The process's entry (``cpu.RankGroup``'s target): ``("trace", request, out_dir)`` or ``("serve", build,
+    """The process's entry (``ranks.RankGroup``'s target): ``("trace", request, out_dir)`` or ``("serve", build,
     shape)``. One process holds every rank (it lowers them one after the other)."""
     import multiprocessing as mp
 
-    from pipeline.backends.cpu import report_failure
+    from pipeline.backends.ranks import report_failure
     from pipeline.core.log import relay_output, setup
     from pipeline.host.procinfo import die_with_parent
 

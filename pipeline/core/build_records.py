@@ -14,10 +14,10 @@ rebuild anything by itself, but a record an older release wrote and this one can
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from pipeline.core.records import Record
+from pipeline.core.records import Record, encode
 from pipeline.core.shape import BuildShape
 
 
@@ -31,19 +31,31 @@ class Member:
 
 
 @dataclass(frozen=True)
-class Variant:
-    """The variant a build was made for: its name and the fields that decide what is traced."""
+class TraceResult:
+    """What a backend's ``trace`` built (``Backend.trace`` returns it; build.json's ``trace`` records it): the files,
+    their layout and the largest trace process's peak RSS, which the trace stage reads, and the backend's own account
+    of how (``details``: its compiler and versions, times, per-rank figures), recorded as it is."""
+
+    members: tuple[Member, ...]
+    layout: str
+    """``per_rank`` (one ``tp_N.pt`` per rank) or ``nxd_model`` (one ``model.pt``)."""
+    peak_rss_bytes: int
+    details: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """build.json's ``trace``: one object, the typed fields beside the backend's own keys."""
+        typed = {f.name: encode(getattr(self, f.name)) for f in fields(self) if f.name != "details"}
+        clash = sorted(set(typed) & set(self.details))
+        if clash:
+            raise ValueError(f"a backend's trace details repeat the typed fields {clash}")
+        return typed | self.details
+
+
+@dataclass
+class Variant(BuildShape):
+    """The variant a build was made for: its shape (the fields that decide what is traced) and its name."""
 
     name: str
-    kv_max: int
-    bucket: int
-    dtype: str
-    prefill: str
-    tp_degree: int
-
-    @property
-    def shape(self) -> BuildShape:
-        return BuildShape(self.kv_max, self.bucket, self.dtype, self.prefill, self.tp_degree)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,11 @@ import functools
 import hashlib
 import types
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from pipeline.core.choices import values
 from pipeline.core.errors import PipelineError
 from pipeline.core.fsutil import atomic_write_json, canonical_json, read_json, sha256_bytes
 
@@ -118,6 +120,11 @@ def _decode(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected an object)")
             return value
         return {key: _decode(args[1], item, f"{where}.{key}", problems) for key, item in value.items()}
+    if isinstance(hint, type) and issubclass(hint, Enum):  # a choice (core/choices.py): its value in JSON
+        if value in values(hint):
+            return hint(value)
+        problems.append(f"field {where} is {value!r}, not one of {values(hint)}")
+        return value
     # bool is an int to isinstance, but never a count or a size
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     if not ok:

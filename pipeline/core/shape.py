@@ -1,12 +1,12 @@
-"""The build shape: the variant fields that decide what is traced, their allowed values (``Dtype`` and ``Prefill``,
-which the config schema types ``variant.dtype`` and ``variant.prefill`` with), and the rank files a build holds.
+"""The build shape: the variant fields that decide what is traced, declared once, their allowed values (``Dtype`` and
+``Prefill``), and the rank files a build holds.
 Imported by the config schema, the preflight and every backend; it imports nothing heavy (no torch), so commands
 that only read a configuration start fast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from pipeline.core.choices import StrEnum, values
@@ -35,15 +35,28 @@ class Prefill(StrEnum):
     host = "host"
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class BuildShape:
-    """The variant fields that decide what is traced."""
+    """The variant fields that decide what is traced, declared here once: a variant's config
+    (``pipeline.config.VariantConfig``) and its record in build.json and the manifest
+    (``pipeline.core.build_records.Variant``) are a ``BuildShape`` with a name.
+
+    Not frozen, as a value would be: OmegaConf's schema subclasses it, and a frozen schema cannot be overridden. Still
+    hashed by value (shapes key tables and caches); nothing changes a shape once it is made, and the subclasses,
+    whose name the config's loader sets, are not hashable."""
 
     kv_max: int
+    """KV cache length: prompt plus generated tokens must fit."""
     bucket: int
-    dtype: str  # a Dtype value (a plain string when read back from a record)
-    prefill: str  # a Prefill value
+    """Prefill bucket: device prefill runs the prompt in chunks of this many tokens."""
+    dtype: Dtype
+    prefill: Prefill
     tp_degree: int
+
+    @property
+    def shape(self) -> BuildShape:
+        """The shape alone: a variant's config or record without its name."""
+        return BuildShape(**{f.name: getattr(self, f.name) for f in fields(BuildShape)})
 
     @property
     def torch_dtype(self) -> torch.dtype:

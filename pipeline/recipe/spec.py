@@ -204,13 +204,40 @@ def load_spec(checkpoint_dir: str | Path) -> ModelSpec:
 
 def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
     raw = text_config_dict(config)
+    check_supported(raw)
+    hf = hf_text_config(raw)
+    layers = layer_specs(raw, hf)
+    return ModelSpec(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_heads=hf.num_attention_heads,
+        layers=layers,
+        sliding_window=hf.sliding_window,
+        rms_norm_eps=hf.rms_norm_eps,
+        final_logit_softcapping=hf.final_logit_softcapping,
+        ple_dim=hf.hidden_size_per_layer_input or 0,
+        ple_vocab_size=hf.vocab_size_per_layer_input,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", hf.tie_word_embeddings)),
+        ropes=rope_specs(hf, layers),
+        eos_token_ids=eos_token_ids(generation or {}, hf),
+        bos_token_id=hf.bos_token_id,
+        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
+        max_positions=getattr(hf, "max_position_embeddings", None),
+    )
+
+
+def check_supported(raw: dict[str, Any]) -> None:
+    """Refuse a text config that sets a feature the recipe does not implement."""
     for key, (supported, what) in _UNSUPPORTED.items():
         if raw.get(key, supported) != supported:
             raise UnsupportedModelError(
                 f"config.json sets {key}={raw[key]!r}: the recipe does not implement {what}. "
                 "Build a Gemma-4 E2B/E4B-style checkpoint, or extend pipeline/recipe/model.py."
             )
-    hf = hf_text_config(raw)
+
+
+def layer_specs(raw: dict[str, Any], hf) -> tuple[LayerSpec, ...]:
+    """Each decoder layer's attention type, head shape, MLP width and the layer whose KV cache it attends over."""
     layer_types = list(hf.layer_types)
     # The base sizes as given, else the class's defaults (5.15+ refuse to read per-layer attributes off the config).
     base = {key: int(raw.get(key, getattr(type(hf), key))) for key in ("head_dim", "num_key_value_heads")}
@@ -240,9 +267,13 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
         if (src.head_dim, src.num_kv_heads) != (layer.head_dim, layer.num_kv_heads):
             raise UnsupportedModelError(
                 f"layer {layer.index} reuses layer {src.index}'s KV but their head shapes differ")
+    return tuple(layers)
 
+
+def rope_specs(hf, layers: tuple[LayerSpec, ...]) -> dict[str, RopeSpec]:
+    """The rotary embedding of each attention type, over that type's head size."""
     ropes = {}
-    for layer_type in sorted(set(layer_types)):
+    for layer_type in sorted({layer.layer_type for layer in layers}):
         params = hf.rope_parameters[layer_type]
         rope_type = params.get("rope_type", "default")
         head_dim = next(layer.head_dim for layer in layers if layer.layer_type == layer_type)
@@ -254,27 +285,13 @@ def spec_from_config(config: dict[str, Any], generation: dict[str, Any] | None =
             raise UnsupportedModelError(f"rope_parameters.{layer_type}.rope_type={rope_type!r} is not implemented")
         ropes[layer_type] = RopeSpec(theta=float(params["rope_theta"]), head_dim=head_dim, rotated_pairs=pairs,
                                      factor=float(params.get("factor", 1.0)) if rope_type != "default" else 1.0)
+    return ropes
 
-    generation = generation or {}
+
+def eos_token_ids(generation: dict[str, Any], hf) -> tuple[int, ...]:
+    """The tokens that end a generation: generation_config.json's, else the model config's."""
     eos = generation.get("eos_token_id", hf.eos_token_id)
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return ModelSpec(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_heads=hf.num_attention_heads,
-        layers=tuple(layers),
-        sliding_window=hf.sliding_window,
-        rms_norm_eps=hf.rms_norm_eps,
-        final_logit_softcapping=hf.final_logit_softcapping,
-        ple_dim=hf.hidden_size_per_layer_input or 0,
-        ple_vocab_size=hf.vocab_size_per_layer_input,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", hf.tie_word_embeddings)),
-        ropes=ropes,
-        eos_token_ids=eos_ids,
-        bos_token_id=hf.bos_token_id,
-        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
-        max_positions=getattr(hf, "max_position_embeddings", None),
-    )
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
 def rope_inv_freq(rope: RopeSpec):

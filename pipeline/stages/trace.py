@@ -22,7 +22,7 @@ from pipeline.backends import resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
-from pipeline.core.build_records import BuildRecord, Compiler, Member, ModelRecord, Variant
+from pipeline.core.build_records import BuildRecord, Compiler, ModelRecord, Variant
 from pipeline.core.errors import PipelineError, StaleInputError
 from pipeline.core.fsutil import clean_stale_temps
 from pipeline.core.log import log
@@ -175,19 +175,19 @@ def run(cfg: PipelineConfig) -> StageResult:
         inputs_digest=inputs_digest(cfg, model_record, toolchain, backend),
         variant=Variant(**asdict(cfg.variant)),
         backend=backend,
-        layout=traced["layout"],
+        layout=traced.layout,
         compiler=Compiler(compiler_id, req.compiler_args, compiler_versions(toolchain)),
         toolchain=toolchain,
         preflight={**passed.record(),
                    "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                "graph_peak_rss_bytes": traced["peak_rss_bytes"],
-                                "written_bytes": sum(m["size"] for m in traced["members"])}},
-        trace=traced,
-        members=tuple(Member(**m) for m in traced["members"]),
+                                "graph_peak_rss_bytes": traced.peak_rss_bytes,
+                                "written_bytes": sum(m.size for m in traced.members)}},
+        trace=traced.to_json(),
+        members=traced.members,
         model=model_record.identity,
     ).write(paths.build_record)
     log.info("trace: %s built in %.1f s, peak RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
-             traced["peak_rss_bytes"] / 1e9)
+             traced.peak_rss_bytes / 1e9)
     return StageResult("trace", StageStatus.ran, time.monotonic() - started)
 
 

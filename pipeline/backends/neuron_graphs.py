@@ -1,0 +1,50 @@
+"""What a Neuron compile is handed, shared by the backend that compiles it and the one that lowers it on the CPU.
+
+The neuron backend compiles ``AliasedRank`` with neuronx-distributed (pipeline/backends/neuron_rank.py); the xla
+backend lowers the same module with torch-xla, the front end torch-neuronx compiles from, to show what neuronx-cc
+would receive (pipeline/backends/xla_rank.py). Both refuse the same shapes (``shape_problems``). Imports no Neuron
+package and no other backend: the two use it as peers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipeline.core.shape import BuildShape
+
+
+def shape_problems(shape: BuildShape) -> list[str]:
+    """What a Neuron compile refuses beyond the generic checks."""
+    found = []
+    if shape.prefill == "device" and shape.bucket < 2:
+        found.append(f"variant.bucket={shape.bucket} with prefill=device: neuronx-distributed routes prefill and "
+                     "decode calls by their input shapes, so a prefill bucket must hold at least 2 tokens")
+    return found
+
+
+class AliasedRank(nn.Module):
+    """A rank whose KV caches are graph state: ``forward`` returns ``(logits, *caches)``, and ``aliases()`` maps each
+    cache parameter to its output index, so the runtime writes the updated caches back into the same device memory.
+
+    Logits are fp32 ``[1, vocab]``; the greedy token is taken on the host (one argmax), so no integer output leaves
+    the graph.
+    """
+
+    def __init__(self, decoder):
+        super().__init__()
+        for name in decoder.cache_names():
+            cache = getattr(decoder, name)
+            delattr(decoder, name)  # a buffer becomes a parameter: neuronx-distributed aliases parameters only
+            decoder.register_parameter(name, nn.Parameter(cache, requires_grad=False))
+        self.decoder = decoder
+
+    def forward(self, embeds, per_layer_tokens, positions, last_index):
+        logits, _token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index)
+        return (logits, *caches)
+
+    def caches(self) -> list[nn.Parameter]:
+        return self.decoder.caches()
+
+    def aliases(self) -> dict[nn.Parameter, int]:
+        """``{cache parameter: output index}``; output 0 is the logits."""
+        return {cache: 1 + j for j, cache in enumerate(self.caches())}
