@@ -26,22 +26,22 @@ def outcome(cfg, error: str | None) -> dict[str, Any]:
     """What one job of a multirun did, from the variant's records (absent ones left out)."""
     from pipeline.core.fsutil import read_json
     from pipeline.paths import Paths
+    from pipeline.validation.records import ValidationRecord
 
     row: dict[str, Any] = {"variant": cfg.variant.name if cfg.variant else None, "ok": error is None,
                            "error": error}
     if cfg.variant is None:
         return row
     paths = Paths.of(cfg)
-    for name, path in (("validation", paths.validation_report), ("receipt", paths.receipt)):
-        try:
-            record = read_json(path)
-        except (OSError, ValueError):
-            continue
-        if name == "validation":
-            row.update(parity=record["parity"]["passed"], tokens_per_s=record["throughput"]["tokens_per_s"],
-                       ttft_ms=record["throughput"]["ttft_ms"], version=record["version"])
-        else:
-            row.update(version=record["version"], published=f"{record['repo']} @ {record['commit'][:12]}")
+    report = ValidationRecord.read_if_valid(paths.validation_report)
+    if report is not None:
+        row.update(parity=report.parity.passed, tokens_per_s=report.throughput.tokens_per_s,
+                   ttft_ms=report.throughput.ttft_ms, version=report.version)
+    try:
+        receipt = read_json(paths.receipt)
+    except (OSError, ValueError):
+        return row
+    row.update(version=receipt["version"], published=f"{receipt['repo']} @ {receipt['commit'][:12]}")
     return row
 
 

@@ -149,6 +149,46 @@ def test_metrics_hold_the_headline_figures_only(project):
     }
 
 
+# The keys validation.json had before it was typed: existing validations have exactly these.
+VALIDATION_KEYS = {"fingerprint", "version", "archive_sha256", "backend", "hardware", "coverage", "signature",
+                   "preflight", "gates", "throughput_gate", "parity", "throughput", "contexts", "costs_s",
+                   "peak_rss_mb", "threads", "prompts"}
+
+
+def test_the_validation_record_reads_back_to_its_json_and_writes_the_same_bytes(project, tmp_path):
+    """What the stage wrote is what the typed record holds, and writing it again gives the same bytes."""
+    from pipeline.validation.records import ValidationRecord
+
+    path = Paths(project, "gemma4_tiny", "512_fp32").validation_report
+    record = ValidationRecord.read(path)
+    assert set(read_json(path)) == VALIDATION_KEYS and record.to_json() == read_json(path)
+    assert record.gates.passed and record.contexts["short"].tokens_per_s == record.throughput.tokens_per_s
+    record.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda d: d.pop("gates"), r"missing field gates"),
+    (lambda d: d["gates"].update(passed="yes"), r"field gates\.passed has the wrong type \(str; expected bool\)"),
+    (lambda d: d["contexts"]["short"].pop("ttft_ms"), r"missing field contexts\.short\.ttft_ms"),
+])
+def test_a_broken_validation_record_is_validated_again_and_never_published(project, tmp_path, edit, problem):
+    """A validation.json this release cannot read (another release's, or edited) is not up to date: validate runs
+    again; publish refuses it, naming the key and the fix."""
+    root = clone_variant(project, tmp_path)
+    cfg = config(root, *FAST_VALIDATE)
+    path = Paths.of(cfg).validation_report
+    assert run(cfg, "validate")[0].status == "skipped"
+    data = read_json(path)
+    edit(data)
+    atomic_write_json(path, data)
+    with pytest.raises(PipelineError, match=rf"(?s){path} is not a valid validation record:\n  - {problem}\n"
+                                            r".*run stage=validate force=true"):
+        run(cfg, "publish")
+    assert run(cfg, "validate")[0].status == "ran"
+    assert read_json(path)["gates"]["passed"] is True
+
+
 def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE)
@@ -265,13 +305,14 @@ def test_a_stale_reference_is_named(project, tmp_path):
 def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     """A custom variant whose bucket no prompt comes near must get prompts added, not a vacuous pass."""
     from pipeline.core.shape import BuildShape
+    from pipeline.validation.records import Coverage
     from pipeline.validation.worker import select_prompts
 
     reference = read_json(project / "gemma4_tiny" / "reference.json")
     with pytest.raises(InputError, match="lack one between half a bucket and a bucket and one longer than two"):
         select_prompts(reference["prompts"], BuildShape(2048, 1024, "fp32", "device", 2), 32, None)
     chosen, coverage = select_prompts(reference["prompts"], BuildShape(512, 128, "fp32", "device", 2), 32, None)
-    assert coverage == {"near_bucket": ["near_128"], "multi_bucket": ["near_512"]}
+    assert coverage == Coverage(near_bucket=("near_128",), multi_bucket=("near_512",))
     assert len(chosen) == 5
 
 

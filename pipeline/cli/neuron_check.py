@@ -121,14 +121,15 @@ def compile_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
 
 
 def decode_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
-    from pipeline.core.fsutil import read_json
+    from pipeline.paths import Paths
+    from pipeline.validation.records import ValidationRecord
 
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("package", "validate"))  # validate raises ParityError on a mismatch
-    report = read_json(artifacts / "gemma4_tiny" / variant / "validation.json")
-    parity, throughput = report["parity"], report["throughput"]
-    return (f"{parity['mode']} parity on {parity['prompts_matched']}/{parity['prompts']} prompts; "
-            f"{throughput['tokens_per_s']:.1f} tok/s, first token {throughput['ttft_ms']:.0f} ms")
+    report = ValidationRecord.read(Paths.of(cfg).validation_report)
+    parity, throughput = report.parity, report.throughput
+    return (f"{parity.mode} parity on {parity.prompts_matched}/{parity.prompts} prompts; "
+            f"{throughput.tokens_per_s:.1f} tok/s, first token {throughput.ttft_ms:.0f} ms")
 
 
 def run_checks(artifacts: Path, overrides: list[str], visible_cores: str | None) -> list[Verdict]:

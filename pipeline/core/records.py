@@ -125,8 +125,10 @@ def _decode(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
             return hint(value)
         problems.append(f"field {where} is {value!r}, not one of {values(hint)}")
         return value
-    # bool is an int to isinstance, but never a count or a size
-    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    # bool is an int to isinstance, but never a count, a size or a figure; an int is a float (JSON has one kind of
+    # number, and PEP 484 reads float as "int or float": a configured limit of 30 is written as 30)
+    ok = (isinstance(value, (int, float)) if hint is float else isinstance(value, hint)) and not (
+        hint in (int, float) and isinstance(value, bool))
     if not ok:
         problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected {hint.__name__})")
     return value

@@ -66,7 +66,7 @@ STAGES = (  # in the order they run
     Stage("validate", StageScope.variant, "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact",
                                                        "recipe", "backends")),
     Stage("publish", StageScope.variant, "publish", ("stages/publish.py", "publishing", "artifact",
-                                                     "backends/registry.py")),
+                                                     "backends/registry.py", "validation/records.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 ORDER = tuple(BY_NAME)

@@ -38,6 +38,7 @@ from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import json_text, write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
+from pipeline.core.records import encode
 from pipeline.paths import Paths
 from pipeline.publishing import index, layout, regression
 from pipeline.publishing.card import render
@@ -45,16 +46,15 @@ from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult, StageStatus
 from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
+from pipeline.validation.records import ValidationRecord
 
 
-def validation_summary(report: dict) -> dict:
+def validation_summary(report: ValidationRecord) -> dict:
     """The published manifest's ``validation``, from validation.json: what the regression gate compares with the
     next version (pipeline/publishing/regression.py) and the model card shows."""
-    return {"parity": {k: report["parity"][k] for k in ("mode", "passed", "prompts", "prompts_matched",
-                                                        "teacher_forced_match", "max_abs_dlogit")},
-            "throughput": report["throughput"], "contexts": report["contexts"], "gates": report["gates"],
-            "backend": report["backend"], "hardware": report["hardware"],
-            "throughput_floor": report["throughput_gate"]["floor"]}
+    return {"parity": encode(report.parity), "throughput": encode(report.throughput),
+            "contexts": encode(report.contexts), "gates": encode(report.gates), "backend": report.backend,
+            "hardware": report.hardware, "throughput_floor": report.throughput_gate.floor}
 
 
 def demo_reasons(manifest: Manifest) -> list[str]:
@@ -118,16 +118,13 @@ def require_same_model(manifest: Manifest, published: list[Manifest], repo_id: s
                            f"{manifest.model.hub_id!r}: publish it to another publish.repo_id. Nothing was published")
 
 
-def require_validated(manifest: Manifest, report: dict, variant: str) -> None:
-    if report.get("archive_sha256") != manifest.archive.sha256:
+def require_validated(manifest: Manifest, report: ValidationRecord, variant: str) -> None:
+    if report.archive_sha256 != manifest.archive.sha256:
         raise PublishError(f"{variant}: the validation on record is for another archive than dist/ holds: "
                            "run stage=validate")
-    if "gates" not in report:
-        raise PublishError(f"{variant}: validation.json was written by an older pipeline (it has no gates): "
-                           "run stage=validate")
-    gates = report["gates"]
-    if not gates.get("passed"):
-        failed = [name for name in ("parity", "throughput") if not gates.get(name)]
+    gates = report.gates
+    if not gates.passed:
+        failed = [name for name in ("parity", "throughput") if not getattr(gates, name)]
         raise PublishError(f"{variant}: refusing to publish an artifact that did not pass validation "
                            f"({', '.join(failed)} gate failed); see validation.json")
 

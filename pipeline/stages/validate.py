@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from pipeline.artifact import signing
@@ -39,7 +39,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
-from pipeline.core.records import fingerprint, read_record, require_record
+from pipeline.core.records import encode, fingerprint, read_record, require_record
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -47,6 +47,16 @@ from pipeline.recipe.spec import load_spec
 from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
+from pipeline.validation.records import (
+    ContextFigures,
+    Coverage,
+    GateCheck,
+    Gates,
+    Measured,
+    ThroughputGate,
+    ThroughputSummary,
+    ValidationRecord,
+)
 from pipeline.validation.worker import ValidationJob, select_prompts
 
 TAIL_LINES = 20  # of the worker's output, in the error when it could not run
@@ -78,7 +88,7 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference: dict
 
 
 def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need: preflight.Need | None = None,
-              env: dict | None = None) -> dict:
+              env: dict | None = None) -> Measured:
     """Run the validation job in a new interpreter; returns its metrics or raises what it raised.
 
     The worker's log lines are logged here as they come (relay): its progress shows in this stage's output and log
@@ -106,10 +116,10 @@ def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need:
     if not result["ok"]:
         raise from_record(result) or PipelineError(
             f"validation could not run: {result['error_type']}: {result['error']}\nits last lines:\n" + "\n".join(tail))
-    return result["metrics"]
+    return Measured.from_json(result["metrics"], "the validation process's result")
 
 
-def headline(measured: dict) -> dict:
+def headline(measured: Measured) -> dict:
     """metrics.json: the figures a person compares across builds, few enough for ``dvc metrics show`` to print one
     short row per variant. Everything else the validation measured is in validation.json.
 
@@ -119,28 +129,29 @@ def headline(measured: dict) -> dict:
     and the largest rank process's (``ranks``; null where the ranks run inside the host process) peak resident
     memory.
     """
-    contexts = measured["contexts"]
+    contexts = measured.contexts
     return {
-        "parity": {"passed": measured["parity"]["passed"], "mode": measured["parity"]["mode"]},
-        "tokens_per_s": {name: c["tokens_per_s"] for name, c in contexts.items()},
-        "ttft_ms": {name: c["ttft_ms"] for name, c in contexts.items()},
-        "peak_rss_mb": measured["peak_rss_mb"],
+        "parity": {"passed": measured.parity.passed, "mode": measured.parity.mode},
+        "tokens_per_s": {name: c.tokens_per_s for name, c in contexts.items()},
+        "ttft_ms": {name: c.ttft_ms for name, c in contexts.items()},
+        "peak_rss_mb": encode(measured.peak_rss_mb),
     }
 
 
-def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str, summary: dict) -> dict:
+def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str,
+                    summary: ThroughputSummary) -> ThroughputGate:
     """Compare the summary with the floor for this backend and hardware."""
     key, floor = cfg.validate.throughput.floor(backend, hardware)
     rows = []
     if floor is not None:
         ttft_limit = floor.ttft_ms_device if prefill == "device" else floor.ttft_ms_host
         if floor.tokens_per_s is not None:
-            rows.append({"check": "decode tokens/s (slowest context)", "value": summary["tokens_per_s"],
-                         "limit": floor.tokens_per_s, "passed": summary["tokens_per_s"] >= floor.tokens_per_s})
+            rows.append(GateCheck("decode tokens/s (slowest context)", summary.tokens_per_s, floor.tokens_per_s,
+                                  summary.tokens_per_s >= floor.tokens_per_s))
         if ttft_limit is not None:
-            rows.append({"check": f"time to first token ms ({prefill} prefill, short context)",
-                         "value": summary["ttft_ms"], "limit": ttft_limit, "passed": summary["ttft_ms"] <= ttft_limit})
-    return {"floor": key, "checks": rows, "passed": all(r["passed"] for r in rows)}
+            rows.append(GateCheck(f"time to first token ms ({prefill} prefill, short context)", summary.ttft_ms,
+                                  ttft_limit, summary.ttft_ms <= ttft_limit))
+    return ThroughputGate(key, tuple(rows), all(r.passed for r in rows))
 
 
 def parity_table(report: list[dict]) -> str:
@@ -154,18 +165,18 @@ def parity_table(report: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def throughput_table(contexts: dict, gate: dict) -> str:
+def throughput_table(contexts: dict[str, ContextFigures], gate: ThroughputGate) -> str:
     lines = [f"  {'context':<9} {'tokens':>6} {'ttft ms':>9} {'tok/s':>8} {'ms/tok':>8} {'p50':>8} {'p90':>8} "
              f"{'p99':>8}"]
-    for name, c in sorted(contexts.items(), key=lambda item: item[1]["context_tokens"]):
-        lines.append(f"  {name:<9} {c['context_tokens']:>6} {c['ttft_ms']:>9.1f} {c['tokens_per_s']:>8.1f} "
-                     f"{c['ms_per_token']:>8.2f} {c['latency_ms_p50']:>8.2f} {c['latency_ms_p90']:>8.2f} "
-                     f"{c['latency_ms_p99']:>8.2f}")
-    if gate["floor"] is None:
+    for name, c in sorted(contexts.items(), key=lambda item: item[1].context_tokens):
+        lines.append(f"  {name:<9} {c.context_tokens:>6} {c.ttft_ms:>9.1f} {c.tokens_per_s:>8.1f} "
+                     f"{c.ms_per_token:>8.2f} {c.latency_ms_p50:>8.2f} {c.latency_ms_p90:>8.2f} "
+                     f"{c.latency_ms_p99:>8.2f}")
+    if gate.floor is None:
         lines.append("  no throughput floor configured for this backend and hardware: not gated")
-    for row in gate["checks"]:
-        lines.append(f"  gate {gate['floor']}: {row['check']} {row['value']:.1f} vs limit {row['limit']}: "
-                     f"{'pass' if row['passed'] else 'FAIL'}")
+    for row in gate.checks:
+        lines.append(f"  gate {gate.floor}: {row.check} {row.value:.1f} vs limit {row.limit}: "
+                     f"{'pass' if row.passed else 'FAIL'}")
     return "\n".join(lines)
 
 
@@ -208,7 +219,7 @@ def worker_job(cfg: PipelineConfig, manifest: Manifest, reference: dict, chosen:
 
 
 def measure_in_fresh_process(cfg: PipelineConfig, manifest: Manifest, job: ValidationJob, host: preflight.Resources,
-                             need: preflight.Need) -> dict:
+                             need: preflight.Need) -> Measured:
     """Run the job in its own process, which gets its own NeuronCores where its backend runs on them (held until it
     ends), and return what it measured."""
     with contextlib.ExitStack() as held:
@@ -221,49 +232,44 @@ def measure_in_fresh_process(cfg: PipelineConfig, manifest: Manifest, job: Valid
         return run_fresh(job, host, need, env)
 
 
-def write_records(cfg: PipelineConfig, manifest: Manifest, measured: dict, facts: dict, gate: dict,
-                  gates: dict) -> None:
-    """metrics.json, validation.json (written last: its fingerprint says all is written) and the plot rows.
-    ``facts``: the record's fields known before the measurement (fingerprint, hardware, coverage, signature,
-    preflight)."""
+def validation_record(fp: str, manifest: Manifest, hardware: str, coverage: Coverage, signature: str,
+                      passed: preflight.Passed, measured: Measured, gate: ThroughputGate) -> ValidationRecord:
+    """validation.json: the measurement with its gates, and what was validated, where and how."""
+    return ValidationRecord(
+        **{f.name: getattr(measured, f.name) for f in fields(Measured)},
+        fingerprint=fp, version=manifest.version, archive_sha256=manifest.archive.sha256, backend=manifest.backend,
+        hardware=hardware, coverage=coverage, signature=signature,
+        preflight=passed.record() | {"measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
+                                                  "validation_peak_rss_mb": encode(measured.peak_rss_mb)}},
+        gates=Gates(parity=measured.parity.passed, throughput=gate.passed,
+                    passed=measured.parity.passed and gate.passed),
+        throughput_gate=gate)
+
+
+def write_records(cfg: PipelineConfig, record: ValidationRecord, measured: Measured) -> None:
+    """metrics.json, validation.json (written last: its fingerprint says all is written) and the plot rows."""
     paths = Paths.of(cfg)
     atomic_write_json(paths.metrics, headline(measured))
-    atomic_write_json(paths.validation_report, {
-        "fingerprint": facts["fingerprint"], "version": manifest.version, "archive_sha256": manifest.archive.sha256,
-        "backend": manifest.backend, "hardware": facts["hardware"], "coverage": facts["coverage"],
-        "signature": facts["signature"],
-        "preflight": facts["preflight"] | {"measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                                         "validation_peak_rss_mb": measured["peak_rss_mb"]}},
-        "gates": gates, "throughput_gate": gate,
-        "parity": measured["parity"],
-        # throughput: the summary. tokens_per_s is decode speed at the slowest context (1 / mean decode step);
-        # throughput is NxDI's end-to-end (prompt + new tokens) / (prefill + decode time): worker.measure_throughput
-        "throughput": measured["throughput"],
-        "contexts": measured["contexts"],  # every figure per context length (the same two rates, per context)
-        "costs_s": measured["costs_s"], "peak_rss_mb": measured["peak_rss_mb"],
-        "threads": measured["threads"],  # torch's threads per phase on the host (validation/generation.py)
-        "prompts": measured["report"],
-    })
     atomic_write_json(paths.plot_rows, [
-        {"context": name, **{k: c[k] for k in ("context_tokens", "tokens_per_s", "ms_per_token", "ttft_ms")}}
-        for name, c in sorted(measured["contexts"].items(), key=lambda item: item[1]["context_tokens"])])
+        {"context": name, "context_tokens": c.context_tokens, "tokens_per_s": c.tokens_per_s,
+         "ms_per_token": c.ms_per_token, "ttft_ms": c.ttft_ms}
+        for name, c in sorted(record.contexts.items(), key=lambda item: item[1].context_tokens)])
+    record.write(paths.validation_report)
 
 
-def judge(cfg: PipelineConfig, measured: dict, gate: dict, gates: dict, where: str) -> None:
+def judge(cfg: PipelineConfig, record: ValidationRecord, where: str) -> None:
     """Log the parity and throughput tables (``where``: backend/hardware); raise for the first gate that failed."""
-    log.info("validate: %s parity (%s):\n%s", cfg.variant.name, measured["parity"]["mode"],
-             parity_table(measured["report"]))
+    log.info("validate: %s parity (%s):\n%s", cfg.variant.name, record.parity.mode, parity_table(record.prompts))
     log.info("validate: %s throughput on %s:\n%s", cfg.variant.name, where,
-             throughput_table(measured["contexts"], gate))
-    if not gates["parity"]:
-        par = measured["parity"]
-        raise ParityError(f"{cfg.variant.name}: parity failed ({par['mode']}) on "
-                          f"{par['prompts'] - par['prompts_matched']} of {par['prompts']} prompts:\n"
-                          + failure_table(measured["report"])
-                          + f"\nfull report: {Paths.of(cfg).variant_dir / 'validation.json'}")
-    if not gates["throughput"]:
-        raise ThroughputError(f"{cfg.variant.name}: throughput below the {gate['floor']} floor:\n"
-                              + throughput_table(measured["contexts"], gate))
+             throughput_table(record.contexts, record.throughput_gate))
+    if not record.gates.parity:
+        par = record.parity
+        raise ParityError(f"{cfg.variant.name}: parity failed ({par.mode}) on {par.prompts - par.prompts_matched} "
+                          f"of {par.prompts} prompts:\n" + failure_table(record.prompts)
+                          + f"\nfull report: {Paths.of(cfg).validation_report}")
+    if not record.gates.throughput:
+        raise ThroughputError(f"{cfg.variant.name}: throughput below the {record.throughput_gate.floor} floor:\n"
+                              + throughput_table(record.contexts, record.throughput_gate))
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -273,9 +279,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     require_floor(cfg, manifest.backend, hardware)
     reference, _ = reference_stage.load(cfg)
     fp = metrics_fingerprint(cfg, manifest, reference, hardware)
-    previous = read_record(paths.validation_report)
-    if (not cfg.force and previous and previous.get("fingerprint") == fp and paths.metrics.exists()
-            and previous.get("gates", {}).get("passed")):
+    previous = ValidationRecord.read_if_valid(paths.validation_report)
+    if not cfg.force and previous and previous.fingerprint == fp and paths.metrics.exists() and previous.gates.passed:
         log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
         return StageResult("validate", StageStatus.skipped)
     shape = manifest.shape
@@ -294,13 +299,10 @@ def run(cfg: PipelineConfig) -> StageResult:
              [reference["prompts"][i]["name"] for i in chosen])
     measured = measure_in_fresh_process(cfg, manifest, worker_job(cfg, manifest, reference, chosen), passed.host,
                                        passed.need)
-    gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured["throughput"])
-    gates = {"parity": measured["parity"]["passed"], "throughput": gate["passed"]}
-    gates["passed"] = all(gates.values())
-    facts = {"fingerprint": fp, "hardware": hardware, "coverage": coverage, "signature": accepted,
-             "preflight": passed.record()}
-    write_records(cfg, manifest, measured, facts, gate, gates)
-    judge(cfg, measured, gate, gates, f"{manifest.backend}/{hardware}")
+    gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured.throughput)
+    record = validation_record(fp, manifest, hardware, coverage, accepted, passed, measured, gate)
+    write_records(cfg, record, measured)
+    judge(cfg, record, f"{manifest.backend}/{hardware}")
     log.info("validate: %s passed every gate", cfg.variant.name)
     return StageResult("validate", StageStatus.ran, time.monotonic() - started)
 
@@ -310,6 +312,6 @@ def load(cfg: PipelineConfig) -> dict:
     return require_record(Paths.of(cfg).metrics, "validate")
 
 
-def load_report(cfg: PipelineConfig) -> dict:
+def load_report(cfg: PipelineConfig) -> ValidationRecord:
     """validation.json: every figure, the gates, the per-prompt verdicts."""
-    return require_record(Paths.of(cfg).validation_report, "validate")
+    return ValidationRecord.read(Paths.of(cfg).validation_report)

@@ -35,6 +35,15 @@ from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 from pipeline.validation.generation import Generation, Generator
 from pipeline.validation.parity import judge_logits, logit_errors, logits_of
+from pipeline.validation.records import (
+    ContextFigures,
+    Costs,
+    Coverage,
+    Measured,
+    ParitySummary,
+    PeakRss,
+    ThroughputSummary,
+)
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
@@ -46,7 +55,7 @@ def applicable(prompts: list[dict], shape: BuildShape, max_new_tokens: int) -> l
 
 
 def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
-                   names: list[str] | None) -> tuple[list[int], dict]:
+                   names: list[str] | None) -> tuple[list[int], Coverage]:
     """The prompts a variant validates, and which of them cover its bucket.
 
     Explicitly named prompts must fit; otherwise every prompt that fits is used, and the set must hold one prompt
@@ -71,7 +80,7 @@ def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
     lengths = {prompts[i]["name"]: len(prompts[i]["input_ids"]) for i in chosen}
     near = [n for n, length in lengths.items() if shape.bucket // 2 < length <= shape.bucket]
     spans = [n for n, length in lengths.items() if length > 2 * shape.bucket]
-    coverage = {"near_bucket": near, "multi_bucket": spans}
+    coverage = Coverage(near_bucket=tuple(near), multi_bucket=tuple(spans))
     if not names and shape.prefill == "device" and (not near or not spans):
         missing = [what for what, found in (("one between half a bucket and a bucket", near),
                                             ("one longer than two buckets", spans)) if not found]
@@ -108,7 +117,8 @@ def context_lengths(shape: BuildShape, settings) -> dict[str, int]:
     return {name: max(1, min(lengths[name], shape.kv_max - settings.decode_tokens - 1)) for name in settings.contexts}
 
 
-def measure_throughput(gen: Generator, shape: BuildShape, settings, filler: list[int]) -> dict:
+def measure_throughput(gen: Generator, shape: BuildShape, settings,
+                       filler: list[int]) -> tuple[ThroughputSummary, dict[str, ContextFigures]]:
     """Time to first token and decode latency at each context length, warm-up runs excluded.
 
     Each run prefills a prompt of the context's length and decodes ``decode_tokens`` tokens, fed a fixed
@@ -141,19 +151,17 @@ def measure_throughput(gen: Generator, shape: BuildShape, settings, filler: list
             e2e_s += g.ttft_s + sum(g.decode_s)
         pooled += decode
         avg = sum(decode) / len(decode)
-        contexts[name] = {"context_tokens": length, "ttft_ms": round(1e3 * statistics.median(ttft), 3),
-                          "tokens_per_s": round(1 / avg, 3), "ms_per_token": round(1e3 * avg, 3),
-                          **latency_report(decode)}
+        contexts[name] = ContextFigures(context_tokens=length, ttft_ms=round(1e3 * statistics.median(ttft), 3),
+                                        tokens_per_s=round(1 / avg, 3), ms_per_token=round(1e3 * avg, 3),
+                                        **latency_report(decode))
         log.info("validate: throughput %d/%d, %s context (%d tokens): %.1f tokens/s, first token %.1f ms", n,
-                 len(lengths), name, length, contexts[name]["tokens_per_s"], contexts[name]["ttft_ms"])
-    slowest = min(contexts.values(), key=lambda c: c["tokens_per_s"])
+                 len(lengths), name, length, contexts[name].tokens_per_s, contexts[name].ttft_ms)
+    slowest = min(contexts.values(), key=lambda c: c.tokens_per_s)
     first = contexts.get("short") or next(iter(contexts.values()))
-    return {
-        "summary": {"tokens_per_s": slowest["tokens_per_s"], "ms_per_token": slowest["ms_per_token"],
-                    "ttft_ms": first["ttft_ms"], **latency_report(pooled),
-                    "throughput": round(e2e_tokens / e2e_s, 3), "decode_steps": len(pooled)},
-        "contexts": contexts,
-    }
+    summary = ThroughputSummary(tokens_per_s=slowest.tokens_per_s, ms_per_token=slowest.ms_per_token,
+                                ttft_ms=first.ttft_ms, **latency_report(pooled),
+                                throughput=round(e2e_tokens / e2e_s, 3), decode_steps=len(pooled))
+    return summary, contexts
 
 
 class Explainer:
@@ -268,7 +276,7 @@ class ValidationJob:
         return cls(**data)
 
 
-def run_job(job: ValidationJob) -> dict:
+def run_job(job: ValidationJob) -> Measured:
     """Verify, unpack and load the build, judge its parity on the chosen prompts, then measure its throughput: the
     metrics RESULT.json holds."""
     from pipeline.recipe.checkpoint import Checkpoint
@@ -307,23 +315,22 @@ def run_job(job: ValidationJob) -> dict:
                           for n, i in enumerate(chosen, 1)]
                 parity_done = time.monotonic()
                 filler = [t for p in reference["prompts"] for t in p["input_ids"]]
-                measured = measure_throughput(gen, shape, _namespace(job.throughput), filler)
+                summary, contexts = measure_throughput(gen, shape, _namespace(job.throughput), filler)
                 threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    return {
-        "parity": parity_summary(mode, report),
-        "throughput": measured["summary"],
-        "contexts": measured["contexts"],
-        "costs_s": {"verify_unpack": round(unpacked - started, 3), "load": round(loaded - unpacked, 3),
-                    "parity": round(parity_done - loaded, 3), "throughput": round(time.monotonic() - parity_done, 3)},
-        "peak_rss_mb": {"ranks": round(max(rss) / 2**20, 1) if rss else None,
-                        "host": round(peak_rss_bytes() / 2**20, 1)},
-        "threads": threads,
-        "report": report,
-    }
+    return Measured(
+        parity=parity_summary(mode, report),
+        throughput=summary,
+        contexts=contexts,
+        costs_s=Costs(verify_unpack=round(unpacked - started, 3), load=round(loaded - unpacked, 3),
+                      parity=round(parity_done - loaded, 3), throughput=round(time.monotonic() - parity_done, 3)),
+        peak_rss_mb=PeakRss(ranks=round(max(rss) / 2**20, 1) if rss else None, host=round(peak_rss_bytes() / 2**20, 1)),
+        threads=threads,
+        prompts=tuple(report),
+    )
 
 
 def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
@@ -336,13 +343,13 @@ def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
     return load_file(job.reference_tensors)
 
 
-def parity_summary(mode: str, report: list[dict]) -> dict:
+def parity_summary(mode: str, report: list[dict]) -> ParitySummary:
     """The prompts' verdicts in one: passed only if every prompt passed, and the worst figures."""
     shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
-    return {"mode": mode, "passed": all(r["passed"] for r in report), "prompts": len(report),
-            "prompts_matched": sum(r["passed"] for r in report),
-            "teacher_forced_match": round(min(shares), 4) if shares else None,
-            "max_abs_dlogit": round(max(r["max_abs_dlogit"] for r in report), 6)}
+    return ParitySummary(mode=mode, passed=all(r["passed"] for r in report), prompts=len(report),
+                         prompts_matched=sum(r["passed"] for r in report),
+                         teacher_forced_match=round(min(shares), 4) if shares else None,
+                         max_abs_dlogit=round(max(r["max_abs_dlogit"] for r in report), 6))
 
 
 def main(argv: list[str]) -> int:
@@ -356,7 +363,7 @@ def main(argv: list[str]) -> int:
     # recorded in validation.json): the decode loop and the comparisons are measured as a server runs them.
     torch.set_num_threads(1)
     try:
-        result = {"ok": True, "metrics": run_job(ValidationJob.from_json(job))}
+        result = {"ok": True, "metrics": run_job(ValidationJob.from_json(job)).to_json()}
     except KeyboardInterrupt:  # the stage process was interrupted too, and says so
         return 130
     except PipelineError as exc:  # the stage raises it again, as the same class (its message says what to fix)

@@ -1,0 +1,162 @@
+"""What a validation measured, typed: the worker's result (``Measured``, in RESULT.json) and the validate stage's
+record of it with its gates (``ValidationRecord``, ``validation.json``), read by publish, the multirun summary and
+``neuron-check``.
+
+Both are ``Record``s (pipeline/core/records.py): read through their class, which refuses a missing, unknown or
+wrong-typed key by name. On disk each is exactly its fields as JSON, keys sorted; a validation record is the
+measurement plus what was validated and its gates. The per-prompt verdicts (``prompts``: their keys depend on the
+parity mode), the thread policy and the preflight's figures stay objects of their own shape, made by
+pipeline/validation/worker.py (judge), generation.py and host/preflight.py, and read back only by the stage's tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.records import Record
+
+
+@dataclass(frozen=True)
+class Latency:
+    """neuronx-distributed-inference's report keys over per-step decode latencies, in milliseconds."""
+
+    latency_ms_p50: float
+    latency_ms_p90: float
+    latency_ms_p95: float
+    latency_ms_p99: float
+    latency_ms_p100: float
+    latency_ms_avg: float
+
+
+@dataclass(frozen=True)
+class ContextFigures(Latency):
+    """Throughput at one context length: the prompt's tokens, its time to first token (median), and decode speed."""
+
+    context_tokens: int
+    ttft_ms: float
+    tokens_per_s: float
+    ms_per_token: float
+
+
+@dataclass(frozen=True)
+class ThroughputSummary(Latency):
+    """The figures the gates and the regression gate compare: the slowest context's decode speed, the short
+    context's first token, the pooled latencies, and NxDI's end-to-end ``throughput`` (worker.measure_throughput)."""
+
+    tokens_per_s: float
+    ms_per_token: float
+    ttft_ms: float
+    throughput: float
+    decode_steps: int
+
+
+@dataclass(frozen=True)
+class ParitySummary:
+    """Every prompt's verdict in one: passed only if every prompt passed, and the worst figures."""
+
+    mode: str
+    passed: bool
+    prompts: int
+    prompts_matched: int
+    teacher_forced_match: float | None
+    max_abs_dlogit: float
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds each part of the validation took."""
+
+    verify_unpack: float
+    load: float
+    parity: float
+    throughput: float
+
+
+@dataclass(frozen=True)
+class PeakRss:
+    """Peak resident memory in MiB: the validation process's, and its largest rank process's (null where the ranks
+    run inside it)."""
+
+    ranks: float | None
+    host: float
+
+
+@dataclass(frozen=True)
+class Measured(Record):
+    """What the validation process measured (RESULT.json's ``metrics``); the stage applies the gates."""
+
+    KIND = "validation result"
+    MAKE = "the validation process wrote none"
+    FIX = "The validation process is of another version of the pipeline than the stage: reinstall it"
+    ERROR = InputError
+
+    parity: ParitySummary
+    throughput: ThroughputSummary
+    """The summary. tokens_per_s is decode speed at the slowest context (1 / mean decode step); throughput is NxDI's
+    end-to-end (prompt + new tokens) / (prefill + decode time): worker.measure_throughput."""
+    contexts: dict[str, ContextFigures]
+    """Every figure per context length (the same two rates, per context)."""
+    costs_s: Costs
+    peak_rss_mb: PeakRss
+    threads: dict[str, Any]
+    """torch's threads per phase on the host (pipeline/validation/generation.py)."""
+    prompts: tuple[dict[str, Any], ...]
+    """Each prompt's verdict (pipeline/validation/worker.py, judge)."""
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which validation prompts cover the variant's bucket: one near a bucket's size, one spanning several."""
+
+    near_bucket: tuple[str, ...]
+    multi_bucket: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    check: str
+    value: float
+    limit: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ThroughputGate:
+    """The throughput floor for this backend and hardware (``floor``: its key, null where none is configured) and
+    each of its checks."""
+
+    floor: str | None
+    checks: tuple[GateCheck, ...]
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Gates:
+    parity: bool
+    throughput: bool
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ValidationRecord(Measured):
+    """``validation.json``: the measurement, what was validated and how, and the gates."""
+
+    KIND = "validation record"
+    MAKE = "run stage=validate first"
+    FIX = "It was written by another release of the pipeline, or edited: run stage=validate force=true"
+    ERROR = PipelineError
+
+    fingerprint: str
+    version: str
+    archive_sha256: str
+    backend: str
+    hardware: str
+    coverage: Coverage
+    signature: str
+    """How the archive's signature was judged (pipeline/artifact/signing.py, check)."""
+    preflight: dict[str, Any]
+    """The host checked for what loading the build needs, and the measured peaks (pipeline/host/preflight.py)."""
+    gates: Gates
+    throughput_gate: ThroughputGate
