@@ -19,7 +19,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -551,6 +551,19 @@ def structured(cfg: DictConfig | dict) -> PipelineConfig:
     typed, found = merge_reporting(PipelineConfig, data)
     if found:
         raise ConfigError(found + (problems(typed) if typed is not None else []))
+    return typed
+
+
+T = TypeVar("T")
+
+
+def section(schema: type[T], data: dict) -> T:
+    """One section of the schema (``validate.parity``, ``validate.throughput``) from its plain form
+    (``dataclasses.asdict``), typed and checked as the composed configuration is: what a process handed the section
+    as JSON reads back (pipeline/validation/worker.py)."""
+    typed, found = merge_reporting(schema, copy.deepcopy(data))
+    if found:
+        raise ConfigError(found)
     return typed
 
 

@@ -189,6 +189,28 @@ def test_a_broken_validation_record_is_validated_again_and_never_published(proje
     assert read_json(path)["gates"]["passed"] is True
 
 
+def test_the_worker_reads_its_job_back_typed_as_the_stage_configured_it(project):
+    """The job crosses to the validation process as JSON; the worker reads the validate settings back as the stage's
+    typed sections (enums, floors, the logits' tolerances), equal to them, and refuses a setting of the wrong type by
+    its key."""
+    from pipeline.config import ParityMode, ThroughputConfig
+    from pipeline.stages import package
+    from pipeline.stages import validate as validate_stage
+    from pipeline.validation.worker import ValidationJob
+
+    cfg = config(project, *FAST_VALIDATE, "validate.parity.bf16=teacher_forced",
+                 "validate.parity.logits.tol_map.top5=[0.0,0.5]", "validate.throughput.floors.cpu.any.tokens_per_s=7")
+    job = validate_stage.worker_job(cfg, package.load(cfg), {"prompts": []}, [0])
+    again = ValidationJob.from_json(json.loads(json.dumps(job.to_json())))
+    assert again == job and isinstance(again.throughput, ThroughputConfig)
+    assert again.parity.mode("bf16") is ParityMode.teacher_forced and again.parity.logits.tol_map["top5"] == [0.0, 0.5]
+    assert again.throughput.floor("cpu", "local")[1].tokens_per_s == 7
+    data = job.to_json()
+    data["parity"]["teacher_forced_min"] = "most"
+    with pytest.raises(errors.ConfigError, match=r"teacher_forced_min"):
+        ValidationJob.from_json(data)
+
+
 def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE)

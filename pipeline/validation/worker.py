@@ -21,13 +21,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from pipeline.artifact.archive import extract_verified
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
+from pipeline.config import ParityConfig, ThroughputConfig, section
 from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
 from pipeline.core.fsutil import atomic_write_json, reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import log, setup
@@ -111,13 +111,13 @@ def latency_report(step_s: list[float]) -> dict:
     return report
 
 
-def context_lengths(shape: BuildShape, settings) -> dict[str, int]:
+def context_lengths(shape: BuildShape, settings: ThroughputConfig) -> dict[str, int]:
     lengths = {"short": settings.short_tokens, "half": shape.kv_max // 2,
                "near_max": shape.kv_max - settings.decode_tokens - 1}
     return {name: max(1, min(lengths[name], shape.kv_max - settings.decode_tokens - 1)) for name in settings.contexts}
 
 
-def measure_throughput(gen: Generator, shape: BuildShape, settings,
+def measure_throughput(gen: Generator, shape: BuildShape, settings: ThroughputConfig,
                        filler: list[int]) -> tuple[ThroughputSummary, dict[str, ContextFigures]]:
     """Time to first token and decode latency at each context length, warm-up runs excluded.
 
@@ -196,8 +196,8 @@ class Explainer:
         return report
 
 
-def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, parity, noise: dict | None,
-          explainer: Explainer) -> dict:
+def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, parity: ParityConfig,
+          noise: dict | None, explainer: Explainer) -> dict:
     """One prompt's parity verdict and report entry."""
     ref_tokens = prompt["output_ids"]
     entry = {"prompt": prompt["name"], "prompt_tokens": len(prompt["input_ids"]), "mode": mode,
@@ -225,8 +225,8 @@ def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, pa
     return entry
 
 
-def check_prompt(gen: Generator, reference: dict, i: int, tensors: dict, shape: BuildShape, mode: str, parity,
-                 explainer: Explainer, position: tuple[int, int]) -> dict:
+def check_prompt(gen: Generator, reference: dict, i: int, tensors: dict, shape: BuildShape, mode: str,
+                 parity: ParityConfig, explainer: Explainer, position: tuple[int, int]) -> dict:
     """Decode reference prompt ``i`` and judge it; logs its verdict (``position``: (n, of)) as soon as it is known."""
     prompt = reference["prompts"][i]
     forced = None if mode == "exact" else prompt["output_ids"]
@@ -239,12 +239,6 @@ def check_prompt(gen: Generator, reference: dict, i: int, tensors: dict, shape: 
     return entry | {"ttft_ms": round(g.ttft_s * 1e3, 3), "prefill_calls": g.prefill_calls}
 
 
-def _namespace(obj):
-    if isinstance(obj, dict):
-        return SimpleNamespace(**{k: _namespace(v) if k != "tol_map" else v for k, v in obj.items()})
-    return obj
-
-
 @dataclass(frozen=True)
 class ValidationJob:
     """What the stage gives the fresh process (JOB.json): the build, the float reference, and the settings the
@@ -255,8 +249,8 @@ class ValidationJob:
     reference: dict  # reference.json
     reference_tensors: str
     prompts: list[int]  # indices into reference["prompts"]
-    parity: dict  # validate.parity
-    throughput: dict  # validate.throughput
+    parity: ParityConfig  # validate.parity
+    throughput: ThroughputConfig  # validate.throughput
     weights: str
     text_prefix: str
     head_key: str
@@ -268,12 +262,14 @@ class ValidationJob:
 
     @classmethod
     def from_json(cls, data: dict) -> ValidationJob:
+        """The job the stage wrote, its settings typed and checked as the stage's configuration was."""
         expected = {f.name for f in fields(cls)}
         if set(data) != expected:
             raise InputError(f"the validation job has keys {sorted(set(data) - expected)} it should not, and lacks "
                              f"{sorted(expected - set(data))}: the stage and the worker are of different versions "
                              "of the pipeline (reinstall it)")
-        return cls(**data)
+        return cls(**data | {"parity": section(ParityConfig, data["parity"]),
+                             "throughput": section(ThroughputConfig, data["throughput"])})
 
 
 def run_job(job: ValidationJob) -> Measured:
@@ -286,8 +282,8 @@ def run_job(job: ValidationJob) -> Measured:
     manifest = Manifest.from_json(job.manifest, "the validation job's manifest")
     shape = manifest.shape
     reference = job.reference
-    parity = _namespace(job.parity)
-    mode = getattr(parity, shape.dtype)
+    parity = job.parity
+    mode = parity.mode(shape.dtype)
     max_new = reference["max_new_tokens"]
     chosen = job.prompts
     tensors = reference_tensors(job)
@@ -315,7 +311,7 @@ def run_job(job: ValidationJob) -> Measured:
                           for n, i in enumerate(chosen, 1)]
                 parity_done = time.monotonic()
                 filler = [t for p in reference["prompts"] for t in p["input_ids"]]
-                summary, contexts = measure_throughput(gen, shape, _namespace(job.throughput), filler)
+                summary, contexts = measure_throughput(gen, shape, job.throughput, filler)
                 threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
