@@ -557,11 +557,14 @@ def structured(cfg: DictConfig | dict) -> PipelineConfig:
 T = TypeVar("T")
 
 
-def section(schema: type[T], data: dict) -> T:
-    """One section of the schema (``validate.parity``, ``validate.throughput``) from its plain form
-    (``dataclasses.asdict``), typed and checked as the composed configuration is: what a process handed the section
-    as JSON reads back (pipeline/validation/worker.py)."""
+def section(schema: type[T], data: dict, key: str) -> T:
+    """The section ``key`` of the schema (``validate.parity``, ``validate.throughput``) from its plain form
+    (``dataclasses.asdict``), typed and checked as the composed configuration is (its types, then its own problems):
+    what a process handed the section as JSON reads back (pipeline/validation/worker.py)."""
     typed, found = merge_reporting(schema, copy.deepcopy(data))
+    found = [f"{key}.{problem}" for problem in found]
+    if typed is not None:
+        found += typed.problems()
     if found:
         raise ConfigError(found)
     return typed

@@ -20,18 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.backends.aliased_rank import AliasedRank, shape_problems
 from pipeline.backends.base import CheckpointRef, TraceRequest, example_inputs
 from pipeline.backends.neuron import (
     NeuronBackend,
     classify_failure,
     missing_api,
     run_isolated,
-    shape_problems,
     state_parameters,
     write_states,
 )
 from pipeline.backends.neuron_rank import (
-    AliasedRank,
     compiler_arg_string,
     make_job,
     model_builder_plan,

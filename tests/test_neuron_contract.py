@@ -23,9 +23,9 @@ import tomllib
 import torch
 
 from pipeline.backends import neuron_sdk
+from pipeline.backends.aliased_rank import AliasedRank
 from pipeline.backends.base import example_inputs
 from pipeline.backends.neuron_rank import (
-    AliasedRank,
     compiler_arg_string,
     effective_compiler_args,
     full_checkpoint,
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.across_versions("torch", "transformers", "safetensors")
 REPO = Path(__file__).resolve().parent.parent
 API = json.loads((Path(__file__).parent / "contracts" / "nxd_api.json").read_text())
 PINNED = API["releases"][neuron_sdk.PINNED]
-BACKEND_FILES = [REPO / "pipeline" / "backends" / "neuron.py", REPO / "pipeline" / "backends" / "neuron_rank.py"]
+BACKEND_FILES = [REPO / "pipeline" / "backends" / name for name in ("neuron.py", "neuron_rank.py", "aliased_rank.py")]
 FAKE = Path(__file__).resolve().parent / "fake_neuron"
 
 # How the backend's source calls the API (the callee as written) -> the entry it must fit. NeuronParallel builds

@@ -248,6 +248,21 @@ def test_a_record_the_reader_would_refuse_is_never_written(tmp_path, packaged):
     assert not (tmp_path / "build.json").exists()
 
 
+def test_a_trace_result_is_one_object_in_build_json_and_keeps_its_typed_fields_its_own():
+    """build.json's ``trace`` is what it was before the trace was typed: the files, layout and peak RSS beside the
+    backend's own keys, in one object; a backend's details may not shadow a typed field."""
+    from pipeline.core.build_records import Member, TraceResult
+
+    members = (Member("tp_0.pt", 10, "a" * 64), Member("tp_1.pt", 11, "b" * 64))
+    traced = TraceResult(members, "per_rank", 123, {"compiler": "torch.jit.trace", "wall_s": 1.5})
+    assert traced.to_json() == {
+        "members": [{"path": "tp_0.pt", "size": 10, "sha256": "a" * 64},
+                    {"path": "tp_1.pt", "size": 11, "sha256": "b" * 64}],
+        "layout": "per_rank", "peak_rss_bytes": 123, "compiler": "torch.jit.trace", "wall_s": 1.5}
+    with pytest.raises(ValueError, match=r"repeat the typed fields \['layout'\]"):
+        TraceResult(members, "per_rank", 123, {"layout": "nxd_model"}).to_json()
+
+
 def test_a_variants_fields_are_declared_once_by_the_build_shape():
     """``BuildShape`` (core/shape.py) declares the fields that decide what is traced, with their types; the config
     schema's ``VariantConfig`` and the build record's ``Variant`` are build shapes with a name, declaring no shape field

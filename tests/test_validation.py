@@ -212,10 +212,12 @@ def test_the_worker_reads_its_job_back_typed_as_the_stage_configured_it(project)
     assert again == job and isinstance(again.throughput, ThroughputConfig)
     assert again.parity.mode("bf16") is ParityMode.teacher_forced and again.parity.logits.tol_map["top5"] == [0.0, 0.5]
     assert again.throughput.floor("cpu", "local")[1].tokens_per_s == 7
-    data = job.to_json()
-    data["parity"]["teacher_forced_min"] = "most"
-    with pytest.raises(errors.ConfigError, match=r"teacher_forced_min"):
-        ValidationJob.from_json(data)
+    for value, problem in (("most", r"validate\.parity\.teacher_forced_min: Value 'most'"),
+                           (7.0, r"validate\.parity\.teacher_forced_min=7\.0 must be within \[0, 1\]")):
+        data = job.to_json()
+        data["parity"]["teacher_forced_min"] = value
+        with pytest.raises(errors.ConfigError, match=problem):
+            ValidationJob.from_json(data)
 
 
 def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):

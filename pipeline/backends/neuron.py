@@ -50,9 +50,9 @@ import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends import neuron_memory, neuron_sdk
+from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import RankRunner, TraceRequest, check_request
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
-from pipeline.backends.neuron_graphs import shape_problems
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.build_records import Member, TraceResult
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError

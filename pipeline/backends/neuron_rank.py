@@ -7,7 +7,7 @@ ModelBuilder plan.
 - ``NeuronParallel`` gives the recipe neuronx-distributed's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the
   only difference from the cpu backend): inputs cast to the weight dtype, row-parallel partial sums reduced in fp32,
   the vocabulary-split head all-gathered.
-- ``AliasedRank`` (pipeline/backends/neuron_graphs.py, which the xla backend lowers too) turns a rank's KV caches
+- ``AliasedRank`` (pipeline/backends/aliased_rank.py, which the xla backend lowers too) turns a rank's KV caches
   into ``nn.Parameter`` state returned as outputs 1.. and aliased back to themselves (``{cache: 1 + j}``), so they
   stay resident on the NeuronCore and each call updates them in place.
 - Host prefill: ``parallel_model_trace`` calls ``host_prefill_rank(job)`` in each rank process; it slices that
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.backends.aliased_rank import AliasedRank
 from pipeline.backends.base import CheckpointRef, example_inputs
-from pipeline.backends.neuron_graphs import AliasedRank
 from pipeline.core.fsutil import reporting_full_disk
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
+from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import TraceRequest, check_request
-from pipeline.backends.neuron_graphs import shape_problems
 from pipeline.backends.packages import XLA_EXTRA, XLA_MAKE_TARGET, XLA_MISSING
 from pipeline.backends.ranks import ProcessRunner, trace_in_processes, trace_result
 from pipeline.core.build_records import TraceResult

@@ -2,7 +2,7 @@
 
 torch-neuronx compiles what torch-xla lowers (neuronx-distributed's ``ModelBuilder`` hands the HLO module torch-xla
 builds for each bucket to neuronx-cc), so lowering here shows what that compiler would see. The module lowered is the
-one the neuron backend compiles: ``AliasedRank`` (``neuron_graphs.py``), whose outputs are the logits and every
+one the neuron backend compiles: ``AliasedRank`` (``aliased_rank.py``), whose outputs are the logits and every
 updated KV cache (the greedy token is taken on the host). Runs in its own process (torch-xla reads its settings when
 it is imported), started by ``pipeline/backends/xla.py`` through the rank runtime (``ranks.py``).
 
@@ -134,7 +134,7 @@ def counters() -> dict:
 def rank_module(spec, shape: BuildShape, state: dict[str, torch.Tensor]):
     """The ``AliasedRank`` the neuron backend compiles, of this rank, with torch-xla's collectives, on the XLA
     device."""
-    from pipeline.backends.neuron_graphs import AliasedRank
+    from pipeline.backends.aliased_rank import AliasedRank
     from pipeline.recipe.model import build_rank
     from pipeline.recipe.plan import ShardPlan
 

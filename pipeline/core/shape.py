@@ -42,8 +42,9 @@ class BuildShape:
     (``pipeline.core.build_records.Variant``) are a ``BuildShape`` with a name.
 
     Not frozen, as a value would be: OmegaConf's schema subclasses it, and a frozen schema cannot be overridden. Still
-    hashed by value (shapes key tables and caches); nothing changes a shape once it is made, and the subclasses,
-    whose name the config's loader sets, are not hashable."""
+    hashed by value, so a shape can key a table (the tests key their builds by it); nothing changes a shape once it is
+    made. The subclasses, whose name the config's loader sets, are not hashable, and never equal a bare shape: compare
+    their ``shape``."""
 
     kv_max: int
     """KV cache length: prompt plus generated tokens must fit."""

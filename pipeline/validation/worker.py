@@ -268,8 +268,8 @@ class ValidationJob:
             raise InputError(f"the validation job has keys {sorted(set(data) - expected)} it should not, and lacks "
                              f"{sorted(expected - set(data))}: the stage and the worker are of different versions "
                              "of the pipeline (reinstall it)")
-        return cls(**data | {"parity": section(ParityConfig, data["parity"]),
-                             "throughput": section(ThroughputConfig, data["throughput"])})
+        return cls(**data | {"parity": section(ParityConfig, data["parity"], "validate.parity"),
+                             "throughput": section(ThroughputConfig, data["throughput"], "validate.throughput")})
 
 
 def run_job(job: ValidationJob) -> Measured:
