@@ -60,7 +60,8 @@ def test_every_stages_code_is_read_from_the_installed_package():
 
 def test_every_backend_has_its_build_code_packages_factors_and_implementation():
     """The backend names are config.Backend's (the schema stays torch-free: it does not read the registry); the
-    registry and the build code table have exactly those names, and each name loads a backend of that name."""
+    registry, the build code table and conf/backend/ (with auto) have exactly those names, and each name loads a
+    backend of that name."""
     from pipeline.backends import get_backend
     from pipeline.backends.build_code import BUILD_CODE
     from pipeline.backends.registry import BACKENDS
@@ -69,6 +70,8 @@ def test_every_backend_has_its_build_code_packages_factors_and_implementation():
 
     names = set(values(Backend))
     assert set(BUILD_CODE) == set(BACKENDS) == names
+    conf = Path(__file__).resolve().parent.parent / "conf" / "backend"
+    assert {f.stem for f in conf.glob("*.yaml")} == names | {"auto"}
     assert all(entry.name == name for name, entry in BACKENDS.items())
     assert {get_backend(name).name for name in names} == names
 
