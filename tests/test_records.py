@@ -17,7 +17,7 @@ from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.records import code_digest, fingerprint
 from pipeline.paths import Paths
 
-from .helpers import config, run
+from .helpers import CONF, config, run
 
 
 def test_fingerprint_ignores_key_order_and_sees_values():
@@ -70,8 +70,7 @@ def test_every_backend_has_its_build_code_packages_factors_and_implementation():
 
     names = set(values(Backend))
     assert set(BUILD_CODE) == set(BACKENDS) == names
-    conf = Path(__file__).resolve().parent.parent / "conf" / "backend"
-    assert {f.stem for f in conf.glob("*.yaml")} == names | {"auto"}
+    assert {f.stem for f in (CONF / "backend").glob("*.yaml")} == names | {"auto"}
     assert all(entry.name == name for name, entry in BACKENDS.items())
     assert {get_backend(name).name for name in names} == names
 
