@@ -45,9 +45,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def health_ms(port: int) -> float:
+def health_ms(port: int, timeout: float = 120) -> float:
     started = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("GET", "/health")
     conn.getresponse().read()
     conn.close()

@@ -11,7 +11,9 @@
 #   3. on 3 (and UPGRADE=apply, the default) `check-upgrades --apply` installs the new release whole and runs
 #      `dvc repro`; on 0, `dvc repro` alone (only the toolchain stage runs unless conf/, code or variants changed);
 #      either way every rebuilt variant is traced, packaged, validated, regression-gated and published;
-#   4. dvc push      store the new outputs in the DVC remote for the next run and for other hosts.
+#   4. refresh-index write the published signed index (versions.json) again when half its lifetime is gone, so that
+#                    consumers with the public key keep taking it while nothing new is published;
+#   5. dvc push      store the new outputs in the DVC remote for the next run and for other hosts.
 #
 # Settings (environment):
 #   UPGRADE=apply|check   apply (default) installs upgrades; check only reports them and builds nothing new
@@ -73,6 +75,10 @@ case "$status" in
         exit "$status"
         ;;
 esac
+
+# The signed index (versions.json) expires unless written again: while nothing new is published, this keeps it fresh
+# (when less than half its lifetime is left; a no-op otherwise).
+python -m pipeline refresh-index
 
 if [ "${SKIP_DVC_REMOTE:-0}" != 1 ]; then
     dvc push

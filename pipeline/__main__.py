@@ -7,8 +7,9 @@ Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
 ``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
 repository?),
 ``python -m pipeline install-neuron`` (pipeline/cli/install_neuron.py: one Neuron SDK release from its lock file),
-``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout) and
-``python -m pipeline check-remote`` (pipeline/cli/remote.py: can this host read and write the DVC remote?).
+``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout),
+``python -m pipeline check-remote`` (pipeline/cli/remote.py: can this host read and write the DVC remote?) and
+``python -m pipeline refresh-index`` (pipeline/cli/refresh_index.py: keep the signed index from expiring).
 
 Runs the stages of docs/design.md in order (toolchain, model, reference, trace, package, validate, publish), or
 the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
@@ -117,6 +118,12 @@ def _check_remote(argv: list[str]) -> int:
     return remote_main(argv)
 
 
+def _refresh_index(argv: list[str]) -> int:
+    from pipeline.cli.refresh_index import main as refresh_main
+
+    return refresh_main(argv)
+
+
 SUBCOMMANDS = {  # name: (entry point, what it does)
     "versions": (_versions, "list what a repository publishes, and which versions fit this host (--json for scripts)"),
     "pull": (_pull, "fetch a published version (or a variant's newest that fits this host), verify it, unpack it"),
@@ -129,6 +136,8 @@ SUBCOMMANDS = {  # name: (entry point, what it does)
                                         "first install on an inf2 host)"),
     "neuron-check": (_neuron_check, "the first run on an inf2 host: every layout, built and checked"),
     "check-remote": (_check_remote, "can this host read and write the DVC remote? (before a rebuild's build work)"),
+    "refresh-index": (_refresh_index, "write the published signed index again before it expires (the scheduled "
+                                      "rebuild runs it)"),
 }
 
 

@@ -462,9 +462,16 @@ class PublishConfig:
     allow_demo: bool = False
     """Publish to the Hub a build that is not a real model compiled for Inferentia (the embedded tiny model, or a cpu
     backend build); its model card then says what it is. Local publishing takes them always."""
+    index_expiry_days: float = 7.0
+    """How long a consumer with the public key takes the repository's signed index (versions.json) after it was
+    written: past it, an index nobody refreshed is refused (a freeze). ``refresh-index`` (the scheduled rebuild runs
+    it daily) writes it again when less than half of this is left."""
 
     def problems(self) -> list[str]:
         found = self._repo_problems()
+        if not 1 <= self.index_expiry_days <= 366:
+            found.append(f"publish.index_expiry_days={self.index_expiry_days} must be between 1 and 366 days: the "
+                         "scheduled refresh runs daily, and an index that never expires is no bound on a freeze")
         if self.retries < 1 or self.retry_base_s < 0 or self.retry_max_s < self.retry_base_s:
             found.append(f"publish.retries={self.retries} must be >= 1, and 0 <= retry_base_s <= retry_max_s "
                          f"(got {self.retry_base_s}, {self.retry_max_s})")

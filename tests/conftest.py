@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from filelock import FileLock
 
 # Tests never reach the network: any accidental Hub call fails fast instead of hanging.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# This user's cache (pulled versions, the trusted state of each source: pipeline/core/cache.py) is the test run's own,
+# shared by the processes the tests start, never the user's.
+os.environ.setdefault("GEMMA4_PIPELINE_CACHE", tempfile.mkdtemp(prefix="gemma4-test-cache-"))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -28,6 +28,7 @@ from pipeline.backends.compatibility import Fit
 from pipeline.cli.pull import LocalSource, pull
 from pipeline.core.build_records import Compiler
 from pipeline.core.errors import IntegrityError
+from pipeline.core.fsutil import sha256_bytes
 from pipeline.publishing import index, layout
 from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import publish
@@ -76,7 +77,7 @@ def publish_as(repo: Path, archive: Path, manifest: Manifest, when: str, monkeyp
         return publish.repo_files(VARIANT, archive, manifest, {}, private_key), manifest
 
     publish.publish_version(LocalRepo(repo), manifest.version, VARIANT, prepare, manifest, "local", str(repo), archive,
-                            private_key)
+                            private_key, expiry_days=7)
 
 
 @pytest.fixture
@@ -150,10 +151,15 @@ def test_each_publish_commits_the_index_of_every_tagged_version(repo):
     tags = local.tags()
     rows = {row.version: row for row in head_index(folder).versions}
     assert set(rows) == set(tags) and len(tags) == 3
-    for version, commit in tags.items():  # each row is what the version's own manifest says
-        manifest = Manifest.from_json(json.loads(local.read(commit, f"{VARIANT}/manifest.json")), version)
-        assert rows[version] == index.row_of(manifest, rows[version].published)
+    for version, commit in tags.items():  # each row is what the version's own manifest says, and its bytes' sha256
+        raw = local.read(commit, f"{VARIANT}/manifest.json")
+        manifest = Manifest.from_json(json.loads(raw), version)
+        assert rows[version] == index.row_of(manifest, sha256_bytes(raw), rows[version].published)
         assert layout.INDEX in local.list_files(commit)  # in the same commit as the version it adds
+    # Each publish's index one past the one before it, valid for publish.index_expiry_days.
+    numbers = [index.decode(local.read(c, layout.INDEX), "at a tag").index_version for c in tags.values()]
+    assert sorted(numbers) == [1, 2, 3]
+    assert head_index(folder).index_version == 3 and not head_index(folder).expired()
     published = {version: row.published for version, row in rows.items()}
     assert sorted(published, key=published.get)[1:] == [built[OLDER], built[NEWER]]  # each kept from the head's index
     assert rows[built[NEWER]].toolchain["packages"]["neuronx-cc"]["version"] == neuron_sdk.release(NEWER).neuronx_cc
@@ -213,9 +219,10 @@ def test_a_stale_index_never_wins_over_the_tags(repo, tmp_path):
     local = LocalRepo(folder)
     rows = list(head_index(folder).versions)
     ghost = replace(rows[0], version=f"{VARIANT}-ncc9.9.9.9-99999999")  # a row with no tag
-    stale = index.encode([r for r in rows if r.version != built[NEWER]] + [ghost])  # and a tagged version missing
+    stale = index.encode(index.written([r for r in rows if r.version != built[NEWER]] + [ghost], head_index(folder),
+                                       7))  # and a tagged version missing
     local.commit({layout.INDEX: stale}, [], "a stale index", local.head())
-    listed = index.published_versions(LocalSource(folder), tmp_path)
+    listed = index.listing(LocalSource(folder), tmp_path).versions
     assert sorted(p.row.version for p in listed) == sorted(local.tags())
     assert {p.commit for p in listed} == set(local.tags().values())
     out = cli("versions", str(folder))
@@ -227,7 +234,7 @@ def test_a_deleted_index_is_read_from_the_tags_then_written_again_whole(repo, tm
     folder, built = repo
     local = LocalRepo(folder)
     local.commit({}, [layout.INDEX], "the index deleted", local.head())
-    listed = index.published_versions(LocalSource(folder), tmp_path)
+    listed = index.listing(LocalSource(folder), tmp_path).versions
     assert sorted(p.row.version for p in listed) == sorted(local.tags())
     dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
     base = Manifest.read(dist / "manifest.json")
@@ -236,28 +243,38 @@ def test_a_deleted_index_is_read_from_the_tags_then_written_again_whole(repo, tm
     assert {row.version for row in head_index(folder).versions} == set(local.tags()) | {another.version}
 
 
-def test_a_signed_index_that_fails_its_check_is_not_used(repo, tmp_path, monkeypatch, validated_512_fp32):
-    folder, built = repo
-    keys = tmp_path / "keys"
-    keys.mkdir()
-    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(keys / "k")],
+def keypair(folder: Path) -> tuple[str, str]:
+    """An elliptic-curve key pair made as signing.KEYGEN makes one: (private, public) PEM paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(folder / "k")],
                    check=True, capture_output=True)
-    subprocess.run(["openssl", "ec", "-in", str(keys / "k"), "-pubout", "-out", str(keys / "k.pub")], check=True,
+    subprocess.run(["openssl", "ec", "-in", str(folder / "k"), "-pubout", "-out", str(folder / "k.pub")], check=True,
                    capture_output=True)
+    return str(folder / "k"), str(folder / "k.pub")
+
+
+def test_a_signed_index_that_fails_its_check_is_refused_with_the_key_and_a_hint_without(repo, tmp_path, monkeypatch,
+                                                                                        validated_512_fp32):
+    folder, built = repo
+    private, public = keypair(tmp_path / "keys")
     dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
     base = Manifest.read(dist / "manifest.json")
     signed = replace(neuron_manifest(base, NEWER, "44444444"), signature={"file": "manifest.sig"})
-    publish_as(folder, dist / base.archive.name, signed, later(4), monkeypatch, str(keys / "k"))
+    publish_as(folder, dist / base.archive.name, signed, later(4), monkeypatch, private)
     local = LocalRepo(folder)
     assert layout.INDEX_SIGNATURE in local.list_files(local.head())
-    good = cli("versions", str(folder), "--public-key", str(keys / "k.pub"))
+    good = cli("versions", str(folder), "--public-key", public)
     assert good.returncode == 0 and "cannot be used" not in good.stderr, good.stderr
     forged = json.loads(local.read(local.head(), layout.INDEX))
     forged["versions"][0]["metrics"]["tokens_per_s"] = 9999.0
     local.commit({layout.INDEX: (json.dumps(forged) + "\n").encode()}, [], "forged", local.head())
-    out = cli("versions", str(folder), "--public-key", str(keys / "k.pub"), "--json")
-    assert out.returncode == 0 and "cannot be used (signature check" in out.stderr, out.stderr
-    assert all(row["metrics"]["tokens_per_s"] != 9999.0 for row in json.loads(out.stdout))
+    # With the key the signed index decides: one that fails is refused, never worked around (a fallback to the tags
+    # would undo every bound the index sets: rollback, freeze).
+    out = cli("versions", str(folder), "--public-key", public, "--json")
+    assert out.returncode == 1 and "signature does not verify with the public key" in out.stderr, out.stderr
+    # Without it the index is a hint, and the tags decide.
+    hint = cli("versions", str(folder), "--json")
+    assert hint.returncode == 0 and 9999.0 in [row["metrics"]["tokens_per_s"] for row in json.loads(hint.stdout)]
 
 
 # -- the cache --------------------------------------------------------------------------------------------------------
@@ -269,9 +286,9 @@ class Counted(LocalSource):
         super().__init__(path)
         self.fetched: list[str] = []
 
-    def fetch(self, commit: str, path: str, dest: Path) -> None:
+    def fetch(self, commit: str, path: str, dest: Path, max_bytes: int | None = None) -> None:
         self.fetched.append(path)
-        super().fetch(commit, path, dest)
+        super().fetch(commit, path, dest, max_bytes)
 
 
 def cpu_version(folder: Path) -> str:
@@ -447,3 +464,122 @@ def test_two_versions_that_unpack_to_one_directory_do_not_share_a_folder(repo, t
                                              r"directory.*pull it into another --dest"):
         pull(LocalSource(folder), built[OLDER], dest, None, True)
     assert Pulled.read(pulled_beside(path)).version == cpu_version(folder)
+
+
+# -- the signed index: rollback, freeze, expiry, mix-and-match (docs/reliability.md, "The registry") ------------------
+
+def signed_versions(folder: Path, validated: Path, times: list[str], private: str, monkeypatch) -> list[str]:
+    """Signed cpu versions of the variant published into a new repository ``folder``, one per publish time."""
+    LocalRepo(folder).ensure()
+    dist = validated / "gemma4_tiny" / VARIANT / "dist"
+    base = Manifest.read(dist / "manifest.json")
+    versions = []
+    for n, when in enumerate(times, start=1):
+        manifest = replace(base, version=f"{VARIANT}-{base.compiler.id}-{str(n) * 8}",
+                           signature={"file": "manifest.sig"})
+        publish_as(folder, dist / base.archive.name, manifest, when, monkeypatch, private)
+        versions.append(manifest.version)
+    return versions
+
+
+@pytest.fixture
+def signed_repo(validated_512_fp32, tmp_path, monkeypatch) -> tuple[Path, list[str], str, str]:
+    """Two signed versions of the variant, the second published later: ``(folder, [older, newer], private, public)``."""
+    private, public = keypair(tmp_path / "keys")
+    folder = tmp_path / "signed"
+    versions = signed_versions(folder, validated_512_fp32, [later(1), later(2)], private, monkeypatch)
+    return folder, versions, private, public
+
+
+def pull_signed(folder: Path, name: str, public: str, dest: Path, *extra: str) -> subprocess.CompletedProcess:
+    return cli("pull", str(folder), name, "--public-key", public, "--dest", str(dest), *extra)
+
+
+def test_an_older_signed_index_served_again_is_refused(signed_repo, tmp_path):
+    folder, (older, newer), _, public = signed_repo
+    local = LocalRepo(folder)
+    first = pull_signed(folder, VARIANT, public, tmp_path / "a")
+    assert first.returncode == 0 and f"resolves to {newer}" in first.stderr, first.stderr
+    # A new commit restoring the older index and its valid signature (it took the older build, exit 0).
+    at_older = local.tags()[older]
+    local.commit({layout.INDEX: local.read(at_older, layout.INDEX),
+                  layout.INDEX_SIGNATURE: local.read(at_older, layout.INDEX_SIGNATURE)}, [], "restore", local.head())
+    restored = pull_signed(folder, VARIANT, public, tmp_path / "b")
+    assert restored.returncode == 1, restored.stderr
+    assert "index_version 1, older than the 2 this client already trusted" in restored.stderr
+    assert "rolled back" in restored.stderr and "Traceback" not in restored.stderr
+    # The branch reset to the older commit, the tags kept: the same.
+    local.git("reset", "-q", "--hard", at_older)
+    reset = pull_signed(folder, VARIANT, public, tmp_path / "c")
+    assert reset.returncode == 1 and "older than the 2 this client already trusted" in reset.stderr, reset.stderr
+    assert not any(p.name != ".locks" for d in ("b", "c") for p in (tmp_path / d).iterdir())
+
+
+def test_a_withheld_newest_version_is_named_not_skipped(signed_repo, tmp_path):
+    folder, (older, newer), _, public = signed_repo
+    LocalRepo(folder).git("tag", "-d", newer)  # a freeze: the newest withheld (it took the older with a warning)
+    frozen = pull_signed(folder, VARIANT, public, tmp_path / "a")
+    assert frozen.returncode == 1, frozen.stderr
+    assert f"lists {newer}" in frozen.stderr and "has no tag for it" in frozen.stderr and "freeze" in frozen.stderr
+    named = pull_signed(folder, older, public, tmp_path / "b")  # the older one, named, is taken
+    assert named.returncode == 0, named.stderr
+    listed = cli("versions", str(folder), "--public-key", public)
+    assert listed.returncode == 0
+    assert f"{newer}: the signed index lists it, but the repository has no tag" in listed.stdout
+
+
+def test_an_expired_index_is_refused_until_refreshed_or_named(validated_512_fp32, tmp_path, monkeypatch):
+    private, public = keypair(tmp_path / "keys")
+    folder = tmp_path / "artifacts" / "published"
+    ten_days_ago = (datetime.now(timezone.utc) - timedelta(days=10)).strftime(index.TIME_FORMAT)
+    (version,) = signed_versions(folder, validated_512_fp32, [ten_days_ago], private, monkeypatch)
+    monkeypatch.undo()
+    expired = pull_signed(folder, VARIANT, public, tmp_path / "a")
+    assert expired.returncode == 1 and "expired at" in expired.stderr and "--allow-expired" in expired.stderr
+    assert pull_signed(folder, VARIANT, public, tmp_path / "b", "--allow-expired").returncode == 0
+    refresh = cli("refresh-index", f"artifacts_dir={tmp_path / 'artifacts'}", f"package.signing.private_key={private}")
+    assert refresh.returncode == 0 and "written again" in refresh.stderr, refresh.stderr
+    assert head_index(folder).index_version == 2 and not head_index(folder).expired()
+    fresh = pull_signed(folder, VARIANT, public, tmp_path / "c")
+    assert fresh.returncode == 0 and f"resolves to {version}" in fresh.stderr, fresh.stderr
+    again = cli("refresh-index", f"artifacts_dir={tmp_path / 'artifacts'}", f"package.signing.private_key={private}")
+    assert again.returncode == 0 and "fresh enough, nothing to do" in again.stderr  # no commit while half is left
+
+
+def test_a_version_older_than_one_already_taken_must_be_named(signed_repo, tmp_path):
+    folder, (older, newer), _, public = signed_repo
+    assert pull_signed(folder, newer, public, tmp_path / "a").returncode == 0
+    refused = pull_signed(folder, older, public, tmp_path / "b")
+    assert refused.returncode == 1 and f"--allow-older {older}" in refused.stderr, refused.stderr
+    wrong_name = pull_signed(folder, older, public, tmp_path / "c", "--allow-older", newer)
+    assert wrong_name.returncode == 1
+    named = pull_signed(folder, older, public, tmp_path / "d", "--allow-older", older)
+    assert named.returncode == 0, named.stderr
+
+
+def test_a_manifest_other_than_the_one_the_signed_index_names_is_refused(signed_repo, tmp_path):
+    folder, (older, newer), private, public = signed_repo
+    local = LocalRepo(folder)
+    mixed = json.loads(local.read(local.head(), layout.INDEX))
+    for row in mixed["versions"]:  # the publisher's key signs an index naming other manifest bytes for a version
+        if row["version"] == newer:
+            row["manifest_sha256"] = "0" * 64
+    data = (json.dumps(mixed, indent=2, sort_keys=True) + "\n").encode()
+    local.commit({layout.INDEX: data, layout.INDEX_SIGNATURE: index.signature(data, private)}, [], "mixed",
+                 local.head())
+    got = pull_signed(folder, newer, public, tmp_path / "a")
+    assert got.returncode == 1 and "is not the manifest the signed index names" in got.stderr, got.stderr
+
+
+def test_an_unsigned_row_never_decides_what_the_manifest_would_not(repo, tmp_path):
+    """A forged 'torch 99.0' in the cpu version's row made pull skip it without reading its manifest (and, on a host
+    without Neuron, find no version at all); the manifest decides."""
+    folder, _ = repo
+    local = LocalRepo(folder)
+    forged = json.loads(local.read(local.head(), layout.INDEX))
+    for row in forged["versions"]:
+        if row["backend"] == "cpu":
+            row["toolchain"]["packages"]["torch"]["version"] = "99.0"
+    local.commit({layout.INDEX: (json.dumps(forged) + "\n").encode()}, [], "forged", local.head())
+    got = cli("pull", str(folder), VARIANT, "--allow-unsigned", "--dest", str(tmp_path / "a"))
+    assert got.returncode == 0 and "-cpu-torch" in got.stdout, got.stderr

@@ -29,6 +29,7 @@ exit 0
 
 
 PULL = ["python -m pipeline check-remote", "dvc pull --allow-missing"]
+REFRESH = "python -m pipeline refresh-index"  # the signed index written again before it expires, after any build
 
 
 def rebuild(tmp_path: Path, **env: str) -> tuple[int, list[str], str]:
@@ -56,7 +57,7 @@ def test_the_rebuild_script_is_valid_shell():
 def test_up_to_date_rebuilds_only_what_changed_and_pushes(tmp_path):
     status, ran, _ = rebuild(tmp_path, CHECK_STATUS="0")
     assert status == 0
-    assert ran == [*PULL, "python -m pipeline check-upgrades", "dvc repro", "dvc push"]
+    assert ran == [*PULL, "python -m pipeline check-upgrades", "dvc repro", REFRESH, "dvc push"]
 
 
 def test_an_upgrade_is_applied_then_pushed(tmp_path):
@@ -65,7 +66,7 @@ def test_an_upgrade_is_applied_then_pushed(tmp_path):
     assert ran == [*PULL,
                    "python -m pipeline check-upgrades --neuron-index https://example.invalid/simple",
                    "python -m pipeline check-upgrades --apply --neuron-index https://example.invalid/simple",
-                   "dvc push"]
+                   REFRESH, "dvc push"]
 
 
 def test_check_only_reports_an_upgrade_and_builds_nothing(tmp_path):
@@ -100,7 +101,7 @@ def test_a_remote_that_cannot_be_used_stops_before_any_build_work(tmp_path, env,
 
 def test_without_a_remote_and_with_a_bad_setting(tmp_path):
     status, ran, _ = rebuild(tmp_path, SKIP_DVC_REMOTE="1", REPRO_ARGS="--force")
-    assert status == 0 and ran == ["python -m pipeline check-upgrades", "dvc repro --force"]
+    assert status == 0 and ran == ["python -m pipeline check-upgrades", "dvc repro --force", REFRESH]
     status, ran, err = rebuild(tmp_path, UPGRADE="yes")
     assert status == 2 and ran == []
     assert "UPGRADE=yes" in err and "UPGRADE=apply" in err

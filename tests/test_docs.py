@@ -192,3 +192,21 @@ def test_the_steps_to_add_a_backend_name_what_exists():
     listed = set(re.search(r"\(`members`[^)]*\)", steps).group(0).replace("`", "").strip("()").split(", "))
     protocol = {n for n, v in vars(base.Backend).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert listed == protocol
+
+
+PIP_INSTALL = re.compile(r"pip install[^`\n]*")
+
+
+def test_every_install_of_the_neuron_packages_in_the_docs_is_the_hash_pinned_one():
+    """An install line that resolves the [neuron] extra (or a Neuron package) lets a public index's higher upload
+    win (docs/inf2-host.md): the docs give deploy/install-inf2.sh, and name the resolving install only to warn
+    against it."""
+    found = []
+    for path in doc_files():
+        for paragraph in path.read_text().split("\n\n"):
+            for match in PIP_INSTALL.finditer(paragraph):
+                line = match.group()
+                warned = "Do not install with" in paragraph[:match.start()].rsplit(".", 1)[-1]
+                if "neuron" in line.lower() and "--require-hashes" not in line and not warned:
+                    found.append(f"{path.relative_to(REPO)}: {line}")
+    assert not found, "\n".join(found)

@@ -10,6 +10,8 @@ in-memory source standing for a Hub whose listing says what a test wants.
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -64,6 +66,16 @@ def hostile_commit(repo: Path, version: str, edit) -> None:
     git(repo, "tag", "-f", version, "HEAD")
 
 
+def hostile_raw_commit(repo: Path, version: str, path: str, data: bytes) -> None:
+    """Commit ``data`` as ``path`` (unsigned: the variant's manifest.sig removed) and move the version's tag to it."""
+    git(repo, "checkout", "-q", "main")
+    (repo / path).write_bytes(data)
+    (repo / VARIANT / "manifest.sig").unlink(missing_ok=True)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "hostile")
+    git(repo, "tag", "-f", version, "HEAD")
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
@@ -72,7 +84,10 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 # -- the names ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "a\\b", "/abs", ".hidden", "-rf", "nul\0x", "cr\rx",
-                                  "x" * 256, "del\x7f"])
+                                  "x" * 256, "del\x7f",
+                                  # C1 controls (NEL, CSI), a bidi override, a zero-width joiner, the line and paragraph
+                                  # separators, a lone surrogate (it was a UnicodeEncodeError): one rule, by category
+                                  "a\x85b", "a\x9bb", "a\u202eb", "a\u200db", "a\u2028b", "a\u2029b", "\ud800.tar.zst"])
 def test_a_name_that_is_not_one_plain_component_is_refused(name, tmp_path):
     assert component_problem(name)
     with pytest.raises(IntegrityError, match="is not a plain file name|leads outside"):
@@ -141,9 +156,9 @@ class ListingSource:
     def files(self, commit):
         return self.extra + self.real.files(commit)
 
-    def fetch(self, commit, path, dest):
+    def fetch(self, commit, path, dest, max_bytes=None):
         self.fetched.append(path)
-        self.real.fetch(commit, path, dest)
+        self.real.fetch(commit, path, dest, max_bytes)
 
 
 def test_folders_of_a_hostile_listing_are_never_read_or_written(validated_512_fp32, tmp_path, caplog):
@@ -223,6 +238,191 @@ def test_an_interrupted_pull_leaves_nothing_or_a_complete_version(validated_512_
         assert left == [root, root + ".manifest.json"]
         assert Manifest.read(manifest_beside(dest / root)).version == version
     assert pull(LocalSource(repo), version, dest, None, True) == dest / root  # the rerun completes or verifies
+
+
+# -- bombs and names (issue 39) --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case,said", [
+    ("nested", "nests deeper than 32"),  # it was an uncaught RecursionError, with or without --public-key
+    # It was parsed whole (500 MB: 1.05 GB and 14.6 s); now its size is read first, and it is not downloaded.
+    ("large", "bytes, more than the 1048576 a file of its kind may have: refusing to download it"),
+    ("repeated key", "the key 'version' appears twice"),
+])
+def test_a_manifest_bomb_is_refused_in_one_line(validated_512_fp32, tmp_path, case, said):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    text = (repo / VARIANT / "manifest.json").read_text()
+    data = {"nested": "[" * 200_000 + "]" * 200_000, "large": text[:-2] + ', "pad": "' + "x" * (2 << 20) + '"}\n',
+            "repeated key": '{"version": "a",' + text.lstrip()[1:]}[case]
+    hostile_raw_commit(repo, version, f"{VARIANT}/manifest.json", data.encode())
+    proc = cli("pull", str(repo), version, "--dest", str(tmp_path / "dest"), "--allow-unsigned")
+    assert proc.returncode == 1 and said in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and left_in(tmp_path / "dest") == []
+
+
+def test_with_a_key_the_signature_is_checked_before_the_manifest_is_parsed(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    hostile_raw_commit(repo, version, f"{VARIANT}/manifest.json", ("[" * 200_000 + "]" * 200_000).encode())
+    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(tmp_path / "k")],
+                   check=True, capture_output=True)
+    subprocess.run(["openssl", "ec", "-in", str(tmp_path / "k"), "-pubout", "-out", str(tmp_path / "k.pub")],
+                   check=True, capture_output=True)
+    source = LocalSource(repo)
+    from pipeline.cli.pull import Choice
+
+    with pytest.raises(IntegrityError, match="has no manifest.sig: the artifact is unsigned"):
+        from pipeline.cli.pull import fetched, work_folder
+
+        (tmp_path / "dest").mkdir()
+        with work_folder(tmp_path / "dest") as work:
+            fetched(source, Choice(version, LocalRepo(repo).tags()[version]), tmp_path / "dest", work,
+                    str(tmp_path / "k.pub"), False, None, False)
+
+
+def test_a_nested_index_falls_back_to_the_manifests(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    git(repo, "checkout", "-q", "main")
+    (repo / "versions.json").write_text("[" * 200_000 + "]" * 200_000)
+    git(repo, "commit", "-q", "-am", "a nested index")
+    listed = cli("versions", str(repo))
+    assert listed.returncode == 0 and version in listed.stdout, listed.stderr  # it was a RecursionError traceback
+    assert "cannot be used" in listed.stderr and "nests deeper than 32" in listed.stderr
+    pulled = cli("pull", str(repo), VARIANT, "--dest", str(tmp_path / "dest"), "--allow-unsigned")
+    assert pulled.returncode == 0 and "Traceback" not in pulled.stderr, pulled.stderr
+
+
+def pax_bomb(root: str, declared: int) -> bytes:
+    """A tar stream whose first header is a PAX extended header announcing ``declared`` bytes of records (zeros)."""
+    import tarfile
+
+    header = tarfile.TarInfo(f"{root}/././@PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, declared
+    return header.tobuf(tarfile.GNU_FORMAT) + b"\0" * declared + b"\0" * 1024
+
+
+def test_an_archive_header_bomb_is_refused_at_its_header(validated_512_fp32, tmp_path):
+    """A PAX header announcing 64 MiB (2 GiB, 65 KB compressed, took 6.3 GB and 1 m 44 s: bench/pull_bombs.py) is
+    refused at its header block, before tarfile reads the record."""
+    import zstandard
+
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    manifest = json.loads((repo / VARIANT / "manifest.json").read_text())
+    bomb = zstandard.ZstdCompressor().compress(pax_bomb(manifest["archive"]["root"], 64 << 20))
+    git(repo, "checkout", "-q", "main")
+    (repo / VARIANT / manifest["archive"]["name"]).write_bytes(bomb)
+    digest = hashlib.sha256(bomb).hexdigest()
+
+    def edit(m: dict) -> None:
+        m["archive"].update(size=len(bomb), sha256=digest)
+        for member in m["members"]:  # what a 9 GB build's members allow in all: the total bound does not stop it
+            member["size"] = 4 << 30
+
+    hostile_commit(repo, version, edit)
+    with pytest.raises(IntegrityError, match="an extended header of 67108864 bytes"):
+        pull(LocalSource(repo), version, tmp_path / "dest", None, True)
+    assert left_in(tmp_path / "dest") == []
+
+
+def test_a_decompressed_stream_past_the_manifests_members_is_refused():
+    from pipeline.artifact.archive import _Bounded, tar_bytes_bound
+
+    members = [{"size": 1000}, {"size": 1}]
+    bound = tar_bytes_bound(members)
+    stream = _Bounded(io.BytesIO(b"\0" * (bound + 1)), bound)
+    assert len(stream.read(bound)) == bound
+    with pytest.raises(IntegrityError, match=f"decompresses to more than the {bound} bytes"):
+        stream.read(1)
+
+
+def test_the_tar_bound_holds_every_archive_pack_writes(tmp_path):
+    from pipeline.artifact.archive import pack, tar_bytes_bound
+
+    for n, size in enumerate((0, 1, 511, 512, 513, 100_000)):
+        (tmp_path / f"tp_{n}.pt").write_bytes(b"x" * size)
+    names = [f"tp_{n}.pt" for n in range(6)]
+    out = pack(tmp_path, names, "r" * 200, tmp_path / "a.tar", "tar")  # a long root: PAX headers on every entry
+    assert out["archive"]["size"] <= tar_bytes_bound(out["members"])
+
+
+def test_a_lone_surrogate_or_escape_in_a_name_is_refused_cleanly(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    hostile_commit(repo, version, lambda m: m["archive"].update(name="\ud800.tar.zst"))
+    proc = cli("pull", str(repo), version, "--dest", str(tmp_path / "dest"), "--allow-unsigned")
+    assert proc.returncode == 1 and "must be a plain file name" in proc.stderr, proc.stderr  # UnicodeEncodeError
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_unsigned_rows_escape_sequence_never_reaches_the_terminal(validated_512_fp32, tmp_path):
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    git(repo, "checkout", "-q", "main")
+    index = json.loads((repo / "versions.json").read_text())
+    index["versions"][0]["compiler"] = "\x1b[31m\x1b]0;PWNED\x07"  # a tagged version's row: printed in the table
+    (repo / "versions.json").write_text(json.dumps(index))
+    git(repo, "commit", "-q", "-am", "a row with escapes")
+    git(repo, "tag", "x-\u202e", "HEAD")  # a tag git takes, with a bidi override in it
+    for args in (["versions", str(repo)], ["pull", str(repo), VARIANT, "--allow-unsigned", "--dest",
+                                             str(tmp_path / "dest")]):
+        proc = cli(*args)
+        out = proc.stdout + proc.stderr
+        assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out, out
+        assert "Traceback" not in out
+
+
+def test_a_symlinked_rank_file_is_refused_though_its_bytes_match(validated_512_fp32, tmp_path, caplog):
+    """A rank file replaced by a link to the same bytes elsewhere (they could change after the check) is refused when
+    the directory is checked again, and pull fetches the version afresh."""
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    path = pull(LocalSource(repo), version, tmp_path / "dest", None, True)
+    elsewhere = tmp_path / "elsewhere.pt"
+    shutil.copyfile(path / "tp_0.pt", elsewhere)
+    (path / "tp_0.pt").unlink()
+    (path / "tp_0.pt").symlink_to(elsewhere)
+    from pipeline.artifact.pulled import reverified
+
+    with pytest.raises(IntegrityError, match="tp_0.pt is a symbolic link"):
+        reverified(path, Manifest.read(manifest_beside(path)))
+    assert pull(LocalSource(repo), version, tmp_path / "dest", None, True) == path
+    assert not (path / "tp_0.pt").is_symlink() and "is a symbolic link" in caplog.text
+
+
+def test_every_log_line_escapes_what_a_terminal_would_act_on():
+    import logging
+
+    from pipeline.core.log import Formatter
+
+    record = logging.LogRecord("pipeline", logging.WARNING, "x", 1, "skipped %s\nnext line\tok", (
+        "\x1b[31m\x1b]0;PWNED\x07v\u202e\u2028\x85",), None)
+    assert Formatter().format(record).endswith(
+        "skipped \\x1b[31m\\x1b]0;PWNED\\x07v\\u202e\\u2028\\x85\nnext line\tok")
+
+
+def test_a_pull_killed_mid_way_leaves_what_the_next_pull_removes(validated_512_fp32, tmp_path):
+    """kill -9 while unpacking: the work folder (the archive, the half-unpacked rank directory) stays; the next pull
+    removes it, as its lock is free, and leaves a running pull's alone."""
+    repo, version = published_copy(validated_512_fp32, tmp_path / "published")
+    dest = tmp_path / "dest"
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from pipeline.artifact import archive
+from pipeline.cli.pull import LocalSource, pull
+real = archive._write_member
+def write_then_die(tar, info, path, expected):
+    real(tar, info, path, expected)
+    os.kill(os.getpid(), signal.SIGKILL)
+archive._write_member = write_then_die
+pull(LocalSource(Path({str(repo)!r})), {version!r}, Path({str(dest)!r}), None, True)
+"""], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    left = [p for p in dest.iterdir() if p.name.startswith(".pull.tmp-")]
+    assert len(left) == 1 and any(left[0].rglob("tp_*.pt")), sorted(p.name for p in dest.rglob("*"))
+    from pipeline.cli.pull import work_folder
+
+    with work_folder(dest) as running:  # another pull, running: its folder is left alone
+        pulled = pull(LocalSource(repo), version, dest, None, True)
+        assert running.is_dir()
+    assert not left[0].exists() and left_in(dest) == sorted([pulled.name, pulled.name + ".manifest.json",
+                                                            pulled.name + ".pulled.json"])
 
 
 # -- publish over a published version -------------------------------------------------------------------------------

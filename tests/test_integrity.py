@@ -402,8 +402,12 @@ def test_pull_through_python_rejects_a_tag_to_the_wrong_manifest(signed_project,
     source = LocalSource(signed_project / "published")
     version = published_version(signed_project)
     source.repo.tag("512_fp32-cpu-torch9.9.9-00000000", source.tags()[version])  # names another version
-    with pytest.raises(PipelineError, match=f"describes '{version}', not '512_fp32-cpu-torch9.9.9-00000000'"):
+    # With the key, the signed index decides: it lists no such version.
+    with pytest.raises(PipelineError, match="signed index .* has no version or variant '512_fp32-cpu-torch9.9.9-0"):
         pull(source, "512_fp32-cpu-torch9.9.9-00000000", tmp_path, keys[1], False)
+    # Without it, the tag is taken at its word, and the manifest it leads to refuses it.
+    with pytest.raises(PipelineError, match=f"describes '{version}', not '512_fp32-cpu-torch9.9.9-00000000'"):
+        pull(source, "512_fp32-cpu-torch9.9.9-00000000", tmp_path, None, True)
 
 
 @pytest.mark.slow  # a whole build of its own (make test-slow), for make test's budget

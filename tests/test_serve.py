@@ -8,6 +8,7 @@ Every server here is the real command in its own process, on a loopback port.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,6 +54,13 @@ def published(tiny_512_fp32) -> tuple[Path, Path, str]:
     return root / "published", root / "gemma4_tiny" / "weights", version
 
 
+def limit_files(nofile: int) -> None:
+    """``ulimit -n nofile`` (soft and hard) for a server's process."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+
 @dataclass
 class Reply:
     status: int
@@ -77,7 +85,8 @@ def request(url: str, body=None, timeout: float = 120) -> Reply:
 class Server:
     """``python -m pipeline serve`` in its own process, on a free loopback port."""
 
-    def __init__(self, published, dest: Path, *extra: str, source: list[str] | None = None, env: dict | None = None):
+    def __init__(self, published, dest: Path, *extra: str, source: list[str] | None = None, env: dict | None = None,
+                 nofile: int | None = None):
         folder, weights, self.version = published
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -86,7 +95,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline", "serve", *source, "--checkpoint", str(weights), "--port",
              str(self.port), *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})}, preexec_fn=(lambda: limit_files(nofile)) if nofile else None)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -220,6 +229,16 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "stream": 1}, 400, "stream", "valid boolean"),
     # Longer than any prompt that could fit the cache: refused by its length, before it is tokenized.
     ("/v1/completions", {"model": "VERSION", "prompt": "Paris " * 20000}, 400, "prompt", "characters: more than"),
+    # A seed past what the sampler's generator takes (it was a 500 that failed the server for every request).
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "temperature": 1, "seed": 2**64}, 400, "seed",
+     "less than or equal to 9223372036854775807"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "temperature": 1, "seed": -(2**63) - 1}, 400, "seed",
+     "greater than or equal to -9223372036854775808"),
+    # Nested under the size bound (it was a bare 500 from the parser's RecursionError); a repeated key; NaN.
+    ("/v1/completions", '{"prompt": ' + "[" * 400_000 + "]" * 400_000 + "}", 400, None, "nests deeper than 32"),
+    ("/v1/completions", '{"prompt": ' + "[" * 40 + "]" * 40 + "}", 400, None, "nests deeper than 32"),
+    ("/v1/completions", '{"model": "a", "model": "b", "prompt": "x"}', 400, None, "'model' appears twice"),
+    ("/v1/completions", '{"model": "a", "prompt": "x", "temperature": NaN}', 400, None, "NaN is not JSON"),
 ])
 def test_a_bad_request_is_refused_naming_the_field_and_the_server_keeps_serving(server, route, body, status, param,
                                                                                 said):
@@ -285,6 +304,58 @@ def test_health_answers_while_a_body_is_still_arriving(server):
     slow.close()
 
 
+def test_slow_clients_cannot_hold_the_server(published, tmp_path):
+    """Slowloris with ``ulimit -n 256``: 400 connections that never finish their headers. /health and a request are
+    answered meanwhile (before, the server ran out of descriptors: /health went unanswered and each refused accept
+    was logged); a connection whose headers are late is closed."""
+    srv = Server(published, tmp_path, "--header-timeout", "2", nofile=256)
+    slow: list[socket.socket] = []
+    try:
+        srv.wait_ready()
+        for _ in range(400):
+            try:
+                slow.append(raw_request(srv.port, "GET /health HTTP/1.1\r\nHost: x\r\n"))
+            except OSError:  # the backlog is full while the server closes the oldest: as a real attacker meets it
+                pass
+        for sock in slow:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"X-a: b\r\n")
+        assert request(f"{srv.url}/health", timeout=10).status == 200
+        assert srv.post("/generate", {"prompt": "hi", "max_tokens": 2}).status == 200
+        late = raw_request(srv.port, "GET /health HTTP/1.1\r\nHost: x\r\n")
+        late.settimeout(10)
+        started = time.monotonic()
+        assert late.recv(1) == b""  # closed by the server, its headers 2 s late
+        assert 1.5 < time.monotonic() - started < 8
+        late.close()
+    finally:
+        for sock in slow:
+            sock.close()
+        assert srv.stop() == 0
+    said = srv.log.read_text()
+    assert "Too many open files" not in said and "at most 96 connections" in said, said[-3000:]
+
+
+def test_a_repeated_log_line_is_written_once_per_ten_seconds_with_a_count(monkeypatch):
+    import logging
+
+    from pipeline.serving import connections
+
+    clock = [100.0]
+    monkeypatch.setattr(connections.time, "monotonic", lambda: clock[0])
+    once = connections.OncePer()
+    record = lambda: logging.LogRecord("asyncio", logging.ERROR, "x", 1, "socket.accept() out of system resource",  # noqa: E731
+                                       None, None)
+    passed = []
+    for step in range(2001):  # 20 s of a refusal every 10 ms
+        clock[0] = 100.0 + step * 0.01
+        r = record()
+        if once.filter(r):
+            passed.append(r.getMessage())
+    assert len(passed) == 3 and passed[0] == "socket.accept() out of system resource"
+    assert passed[1].endswith("(999 more like it in the last 10 s left out)")
+
+
 async def asgi(app, method: str, path: str, body: bytes = b"") -> int:
     """One request to an ASGI ``app``, as uvicorn would hand it over: the answer's status."""
     import asyncio
@@ -337,7 +408,7 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
             pass
 
     async def scenario() -> tuple[int, int]:
-        service = Service(Engine(), queue_size=2, queue_timeout_s=30, max_request_bytes=2**20)
+        service = Service(Engine(), queue_size=2, queue_timeout_s=30, max_request_bytes=2**20, body_timeout_s=30)
         service.open()
         service.ready()
         app = create_app(service)
@@ -357,6 +428,55 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
         release.set()
 
 
+def test_a_requests_own_failure_is_its_answer_and_only_the_ranks_failing_stops_the_server():
+    """In one process, over an engine whose decode raises: a sampler's or tokenizer's error is a 500 for that request
+    and the next is served (any decode error failed the server for everyone); the ranks' failing stops the server."""
+    import asyncio
+
+    from pipeline.serving.api import Service, create_app
+    from pipeline.serving.engine import Finish, Piece, RanksFailed
+
+    class Engine:
+        version, max_prompt_chars = "v", 10_000
+        manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
+        shape = type("S", (), {"kv_max": 512})()
+        failures: list[BaseException] = []
+
+        def text_ids(self, prompt):
+            return [1, 2, 3]
+
+        def room(self, n):
+            return 512 - n
+
+        def decode(self, ids, max_tokens, stops, cancel, sampler=None):
+            if self.failures:
+                raise self.failures.pop(0)
+            yield Piece(7, "x", 0.01)
+            yield Finish("length", "", 1)
+
+        def close(self):
+            pass
+
+    body = b'{"model": "v", "prompt": "hi", "max_tokens": 1}'
+
+    async def scenario() -> list[int]:
+        service = Service(Engine(), queue_size=2, queue_timeout_s=30, max_request_bytes=2**20, body_timeout_s=30)
+        service.open()
+        service.ready()
+        app = create_app(service)
+        statuses = []
+        Engine.failures[:] = [RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")]
+        statuses.append(await asgi(app, "POST", "/v1/completions", body))
+        statuses += [await asgi(app, "GET", "/health"), await asgi(app, "POST", "/v1/completions", body)]
+        Engine.failures[:] = [RanksFailed("the build's ranks failed in decode: EOFError: rank 1 exited")]
+        statuses.append(await asgi(app, "POST", "/v1/completions", body))
+        statuses += [await asgi(app, "GET", "/health"), await asgi(app, "POST", "/v1/completions", body)]
+        service.shutdown()
+        return statuses
+
+    assert asyncio.run(scenario()) == [500, 200, 200, 500, 503, 503]
+
+
 # -- sampling ------------------------------------------------------------------------------------------------------
 
 def test_sampling_is_reproducible_by_seed_and_greedy_at_temperature_zero(server, client):
@@ -369,6 +489,9 @@ def test_sampling_is_reproducible_by_seed_and_greedy_at_temperature_zero(server,
     assert drawn - {greedy}  # it does sample
     # top_p so small that only the most likely token is left at each step: the greedy text again
     assert client.completions.create(**asked, temperature=1.5, top_p=1e-6, seed=9).choices[0].text == greedy
+    # Below vLLM's 1e-5, a temperature is greedy (1e-308 overflowed the logits to inf: a 500 that failed the server)
+    for tiny in (1e-308, 9e-6):
+        assert client.completions.create(**asked, temperature=tiny, seed=2**63 - 1).choices[0].text == greedy
     streamed = client.completions.create(**asked, temperature=1.5, seed=7, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == first
 

@@ -7,8 +7,10 @@ members with fixed metadata (mtime 0, uid/gid 0, no user names, modes 0755/0644)
 not depend on time or thread count (zstd's multi-threaded output is the same for any number of workers; gzip's
 header time is 0). The same rank files always give the same archive bytes.
 
-Extraction trusts nothing: the archive's sha256 must match the manifest before it is opened; only the exact expected
-members (``<root>/`` and ``<root>/<member>`` regular files) are accepted, each no larger than the manifest says; their
+Extraction trusts nothing: the archive's sha256 must match the manifest before it is opened; the decompressed stream
+may not run past what the manifest's members account for, nor hold an extended (PAX, GNU long-name) header past 16
+KiB; only the exact expected members (``<root>/`` and ``<root>/<member>`` regular files) are accepted, each no larger
+than the manifest says; their
 data is written by this module (never ``tarfile.extract``) into a fresh temporary directory and hashed; only a
 complete, verified directory is renamed into place. Links, devices, absolute or ``..`` names, duplicates and extra
 members are refused, and the destination is left untouched. The result is a ``VerifiedBuild``: the only thing a
@@ -38,6 +40,11 @@ READ_CHUNK = 8 << 20
 BLOCK = tarfile.BLOCKSIZE  # 512
 RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records
 ZSTD_LEVEL = 3
+# The largest PAX or GNU long-name record taken: ours carry one path of at most 255 + 255 bytes in one block. tarfile
+# reads such a record whole into memory before anything else can look at it (a 2 GiB one took 6.3 GB).
+MAX_EXTENDED_HEADER = 16 << 10
+EXTENDED_TYPES = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                            tarfile.GNUTYPE_LONGLINK})
 
 
 # -- packing ------------------------------------------------------------------------------------------------------
@@ -179,6 +186,9 @@ def file_stamp(directory: Path, name: str) -> tuple[str, int, int, int, int]:
 
 
 def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
+    if path.is_symlink():  # its bytes could change after they are hashed, and the stamps are the target's
+        raise IntegrityError(f"{what} {path} is a symbolic link: only a regular file is checked and loaded (copy the "
+                             "file in its place; for a DVC output, `dvc config cache.type reflink,hardlink,copy`)")
     if not path.is_file():
         raise IntegrityError(f"{what} {path} is missing")
     if path.stat().st_size != size:
@@ -233,6 +243,47 @@ def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, dict]) -> 
     return parts[1]
 
 
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A header as tarfile reads it (``TarInfo.frombuf``, for every header block, the extended ones included), refused
+    before tarfile reads the record it announces when that is an extended header larger than
+    ``MAX_EXTENDED_HEADER`` or a sparse file (which our archives never hold)."""
+
+    @classmethod
+    def frombuf(cls, buf, encoding, errors):
+        info = super().frombuf(buf, encoding, errors)
+        if info.type in EXTENDED_TYPES and info.size > MAX_EXTENDED_HEADER:
+            raise IntegrityError(f"the archive has an extended header of {info.size} bytes (at most "
+                                 f"{MAX_EXTENDED_HEADER} are taken): refusing it")
+        if info.type == tarfile.GNUTYPE_SPARSE:
+            raise IntegrityError("the archive holds a sparse file: refusing it")
+        return info
+
+
+class _Bounded:
+    """A decompressed stream that refuses to give more than ``limit`` bytes in all (a compressed archive is small
+    on disk and may decompress to anything)."""
+
+    def __init__(self, stream, limit: int):
+        self.stream, self.limit, self.given = stream, limit, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.given += len(data)
+        if self.given > self.limit:
+            raise IntegrityError(f"the archive decompresses to more than the {self.limit} bytes its manifest's "
+                                 "members account for: refusing it")
+        return data
+
+
+def tar_bytes_bound(members: list[dict]) -> int:
+    """The most bytes a tar stream of ``members`` (and their directory) can take as ``pack`` writes it: each
+    entry's data in whole blocks behind at most two header blocks and one extended record, the end blocks and the
+    record padding."""
+    per_entry = 2 * BLOCK + MAX_EXTENDED_HEADER
+    data = sum(-(-m["size"] // BLOCK) * BLOCK for m in members)
+    return data + (len(members) + 1) * per_entry + 2 * BLOCK + RECORD
+
+
 def _decompressed(fmt: str, raw: BinaryIO):
     if fmt == "tar.zst":
         import zstandard
@@ -245,8 +296,9 @@ def _decompressed(fmt: str, raw: BinaryIO):
     raise IntegrityError(f"archive format {fmt!r} is not one of {list(FORMATS)}")
 
 
-def extract_verified(archive: Path, manifest: Manifest, dest: Path) -> VerifiedBuild:
-    """Verify ``archive`` against ``manifest`` and unpack its rank files into ``dest`` (a new directory).
+def extract_verified(archive: Path, manifest: Manifest, dest: Path, staging: Path | None = None) -> VerifiedBuild:
+    """Verify ``archive`` against ``manifest`` and unpack its rank files into ``dest`` (a new directory), through a
+    temporary directory in ``staging`` (on ``dest``'s file system; default: beside ``dest``).
 
     ``dest`` ends up holding exactly the manifest's members, each with its manifest sha256, or does not change.
     """
@@ -255,20 +307,21 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path) -> VerifiedB
     if dest.exists():
         raise IntegrityError(f"refusing to unpack into existing {dest}: choose a new directory")
     allowed = {m["path"]: m for m in manifest.member_files()}
-    tmp = temp_dir_beside(dest)
+    tmp = temp_dir_beside(staging / dest.name) if staging else temp_dir_beside(dest)
     try:
         seen: set[str] = set()
         try:
-            with open(archive, "rb") as raw, tarfile.open(fileobj=_decompressed(spec.format, raw), mode="r|",
-                                                          bufsize=READ_CHUNK) as tar:
-                for info in tar:
-                    member = _member_name(info, spec.root, allowed)
-                    if not member:
-                        continue
-                    if member in seen:
-                        raise IntegrityError(f"archive member {info.name!r} appears twice")
-                    seen.add(member)
-                    _write_member(tar, info, tmp / member, allowed[member])
+            with open(archive, "rb") as raw:
+                stream = _Bounded(_decompressed(spec.format, raw), tar_bytes_bound(list(allowed.values())))
+                with tarfile.open(fileobj=stream, mode="r|", bufsize=READ_CHUNK, tarinfo=_BoundedTarInfo) as tar:
+                    for info in tar:
+                        member = _member_name(info, spec.root, allowed)
+                        if not member:
+                            continue
+                        if member in seen:
+                            raise IntegrityError(f"archive member {info.name!r} appears twice")
+                        seen.add(member)
+                        _write_member(tar, info, tmp / member, allowed[member])
         except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
             if is_out_of_space(exc):  # the destination is full, not the archive broken: the caller says where
                 raise

@@ -22,6 +22,7 @@ from pipeline.core.records import Record
 from pipeline.core.shape import BuildShape, rank_members
 
 SCHEMA_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB (the toolchain record is most of it): 1 MiB is far past any
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MEMBER_RE = re.compile(r"^(tp_(0|[1-9][0-9]*)\.pt|model\.pt)$")
 
@@ -45,6 +46,7 @@ class Manifest(Record):
            "published one is read by the release of the pipeline that published it.")
     ERROR = IntegrityError
     SCHEMA_VERSION = SCHEMA_VERSION
+    MAX_BYTES = MAX_MANIFEST_BYTES
 
     schema_version: int
     version: str

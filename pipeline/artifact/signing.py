@@ -15,20 +15,25 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from pipeline.core import jsonio
 from pipeline.core.errors import IntegrityError
 
 SIGNATURE = "manifest.sig"
 MANIFEST = "manifest.json"
+MAX_SIGNATURE_BYTES = 256 << 10  # a Sigstore bundle over one file is a few KB
 KEY_DIR = "~/.config/gemma4-neuron-pipeline"
 KEYGEN = (f"mkdir -p {KEY_DIR} && (umask 077 && openssl ecparam -name prime256v1 -genkey -noout -out "
           f"{KEY_DIR}/signing-key.pem) && openssl ec -in {KEY_DIR}/signing-key.pem -pubout -out "
           f"{KEY_DIR}/signing-key.pub.pem")
 
 
-def _hashing(folder: Path, archive_name: str):
+def _hashing(folder: Path, archive_name: str | None):
+    """What the signature covers: the folder but the signature and the archive (None: not there yet, as when pull
+    checks a manifest's signature before anything else is downloaded)."""
     from model_signing import hashing
 
-    return hashing.Config().set_ignored_paths(paths=[folder / archive_name, folder / SIGNATURE])
+    ignored = [folder / SIGNATURE] + ([folder / archive_name] if archive_name else [])
+    return hashing.Config().set_ignored_paths(paths=ignored)
 
 
 def key_problem(path: str, kind: str, setting: str) -> str | None:
@@ -69,7 +74,7 @@ def sign(folder: Path, archive_name: str, private_key: str) -> Path:
     return signature
 
 
-def verify(folder: Path, archive_name: str, public_key: str | bytes) -> None:
+def verify(folder: Path, archive_name: str | None, public_key: str | bytes) -> None:
     """Raise ``IntegrityError`` unless ``folder/manifest.sig`` is a valid signature of the folder by ``public_key``."""
     from model_signing import verifying
 
@@ -77,6 +82,7 @@ def verify(folder: Path, archive_name: str, public_key: str | bytes) -> None:
     signature = folder / SIGNATURE
     if not signature.is_file():
         raise IntegrityError(f"{folder} has no {SIGNATURE}: the artifact is unsigned")
+    jsonio.read(signature, MAX_SIGNATURE_BYTES)  # model_signing parses it unbounded: its size and depth first
     with tempfile.TemporaryDirectory() as tmp:
         if isinstance(public_key, bytes):
             key_path = Path(tmp) / "key.pub.pem"
@@ -90,7 +96,8 @@ def verify(folder: Path, archive_name: str, public_key: str | bytes) -> None:
             raise IntegrityError(f"signature check of {folder} failed: {exc}") from None
 
 
-def check(folder: Path, archive_name: str, public_key: str | bytes | None, allow_unsigned: bool, what: str) -> str:
+def check(folder: Path, archive_name: str | None, public_key: str | bytes | None, allow_unsigned: bool,
+          what: str) -> str:
     """The signing policy: verify when a key is given; accept an unverified artifact only when allowed.
 
     Returns how the artifact was accepted: ``"verified"`` or ``"unsigned (allowed)"``.

@@ -27,6 +27,7 @@ DEST take turns; ``--offline`` asks no source at all.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import shutil
@@ -34,6 +35,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifact import pulled, signing
@@ -42,11 +44,11 @@ from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import IntegrityError, PipelineError
-from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_file, temp_dir_beside
+from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_bytes, sha256_file
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.names import child, component, repo_path
 from pipeline.host import locking
-from pipeline.publishing import index, layout
+from pipeline.publishing import index, layout, trust
 from pipeline.publishing.localrepo import LocalRepo
 
 
@@ -67,8 +69,8 @@ class LocalSource:
     def files(self, commit: str) -> list[str]:
         return self.repo.list_files(commit)
 
-    def fetch(self, commit: str, path: str, dest: Path) -> None:
-        self.repo.checkout_file(commit, path, dest)
+    def fetch(self, commit: str, path: str, dest: Path, max_bytes: int | None = None) -> None:
+        self.repo.checkout_file(commit, path, dest, max_bytes)
 
 
 class HubSource:
@@ -107,17 +109,33 @@ class HubSource:
         with self.asking(f"listing the files of {self.repo_id} at {commit[:12]}"):
             return self.api.list_repo_files(self.repo_id, revision=commit)
 
-    def fetch(self, commit: str, path: str, dest: Path) -> None:
+    def fetch(self, commit: str, path: str, dest: Path, max_bytes: int | None = None) -> None:
         # The client checks only the size of what it downloads; pull verifies every checksum afterwards. It downloads
         # beside the work folder, not in it: it leaves its bookkeeping (.cache/huggingface/...) in local_dir, and the
-        # signature check refuses a folder holding anything but the version's files.
+        # signature check refuses a folder holding anything but the version's files. A file larger than
+        # ``max_bytes`` is refused by the size the Hub gives for it, before the download (which must then have that
+        # size: the client refuses any other).
         repo_path(path, "a file of the repository")
+        if max_bytes is not None:
+            self.refuse_larger(commit, path, max_bytes)
         with (self.asking(f"downloading {path} of {self.repo_id} at {commit[:12]}"),
               tempfile.TemporaryDirectory(dir=dest.parent.parent, prefix=f".hub{TMP_MARK}") as local):
             got = Path(self.api.hf_hub_download(self.repo_id, path, revision=commit, local_dir=local))
             if not got.resolve().is_relative_to(Path(local).resolve()):
                 raise IntegrityError(f"the download of {path} landed outside its folder ({got}): refusing it")
             shutil.move(got, dest)
+
+    def refuse_larger(self, commit: str, path: str, max_bytes: int) -> None:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        from pipeline.publishing.hub import endpoint_url
+
+        with self.asking(f"reading the size of {path} of {self.repo_id} at {commit[:12]}"):
+            size = get_hf_file_metadata(hf_hub_url(self.repo_id, path, revision=commit, endpoint=endpoint_url()),
+                                        token=self.api.token).size
+        if size is None or size > max_bytes:
+            raise IntegrityError(f"{path} of {self.repo_id} at {commit[:12]} is {size} bytes, more than the "
+                                 f"{max_bytes} a file of its kind may have: refusing to download it")
 
 
 def host_toolchain() -> dict:
@@ -132,31 +150,84 @@ def source_for(spec: str):
     return LocalSource(path) if path.exists() else HubSource(spec)
 
 
-def resolve(source, name: str, work: Path, host: dict | None = None, public_key: str | None = None) -> tuple[str, str]:
-    """``(version, commit)`` for ``name``: a published version, or a variant's name, which stands for the newest
-    published version of that variant that fits ``host`` (a toolchain record: pipeline/backends/compatibility.py; None
-    takes the newest whatever the host). Newest: the latest publish time in the repository's index, else the one the
-    repository's head holds (each publish commits its variant's folder, so the head has the latest of each)."""
+@dataclass(frozen=True)
+class Choice:
+    """The version a pull takes: its name and commit, and with a public key the signed index and row that chose it
+    (what its manifest must hash to, and what this client then remembers as trusted)."""
+
+    version: str
+    commit: str
+    row: index.IndexRow | None = None
+    signed: index.SignedIndex | None = None
+
+
+def resolve(source, name: str, work: Path, host: dict | None = None, public_key: str | None = None,
+            allow_older: str | None = None, allow_expired: bool = False) -> Choice:
+    """The version ``name`` stands for: a published version, or a variant's name, which stands for the newest
+    published version of that variant that fits ``host`` (a toolchain record: pipeline/backends/compatibility.py;
+    None takes the newest whatever the host). With ``public_key``, the signed index decides (pipeline/publishing/
+    index.py) and this client's trusted state bounds it (pipeline/publishing/trust.py); without, the tags decide and
+    each version's own manifest says whether it fits."""
+    if public_key is not None:
+        return signed_choice(source, name, work, host, public_key, allow_older, allow_expired)
     tags = source.tags()
     if name in tags:
-        return name, tags[name]
+        return Choice(name, tags[name])
     if any(tag.startswith(name + "-") for tag in tags):
-        candidates = newest_first(source, name, index.published_versions(source, work, public_key), work)
+        candidates = newest_first(source, name, index.listing(source, work).versions, work)
         skipped = []
         for found in candidates:
-            verdict = compatibility.judge(found.row.backend, found.row.toolchain, host) if host else None
-            if verdict is not None and verdict.fit == compatibility.Fit.refused:
-                skipped.append(f"{found.row.version}: {verdict.says()}")
-                continue
-            for line in skipped:
-                log.info("pull: skipped the newer %s", line)
-            log.info("pull: %s resolves to %s, the newest published version of that variant%s", name,
-                     found.row.version, " that fits this host" if host else "")
-            return found.row.version, found.commit
+            if host:  # judged by the version's manifest: an unsigned row could say anything
+                described = index.manifest_at(source, found.row.version, found.commit, work)
+                verdict = compatibility.judge(described[0].backend, described[0].toolchain, host) if described else None
+                if described is None or verdict.fit == compatibility.Fit.refused:
+                    skipped.append(f"{found.row.version}: {verdict.says() if verdict else 'its manifest is unusable'}")
+                    continue
+            return chosen(found, name, host, skipped)
         if skipped:
             raise PipelineError(f"no published version of {name!r} in {source.name} fits this host:\n  - "
                                 + "\n  - ".join(skipped))
     raise PipelineError(f"{source.name} has no version or variant {name!r}; its versions are {sorted(tags)}")
+
+
+def chosen(found: index.Published, name: str, host: dict | None, skipped: list[str],
+           signed: index.SignedIndex | None = None) -> Choice:
+    for line in skipped:
+        log.info("pull: skipped the newer %s", line)
+    if found.row.version != name:
+        log.info("pull: %s resolves to %s, the newest published version of that variant%s", name, found.row.version,
+                 " that fits this host" if host else "")
+    return Choice(found.row.version, found.commit, found.row if signed else None, signed)
+
+
+def signed_choice(source, name: str, work: Path, host: dict | None, public_key: str, allow_older: str | None,
+                  allow_expired: bool) -> Choice:
+    """``resolve`` by the signed index: its rows decide (they are signed), a rolled-back index and a version older
+    than one already taken are refused, and so is a version whose tag is gone (a freeze hides the newest)."""
+    listing = index.listing(source, work, public_key, allow_expired)
+    trust.check_index(source.identity, listing.signed)
+    exact = [p for p in listing.versions if p.row.version == name]
+    candidates = exact or [p for p in reversed(listing.versions) if p.row.variant.name == name]
+    if not candidates:
+        raise PipelineError(f"{source.name}'s signed index (index_version {listing.signed.index.index_version}) has no "
+                            f"version or variant {name!r}; its versions are "
+                            f"{sorted(p.row.version for p in listing.versions)}")
+    skipped = []
+    for found in candidates:
+        verdict = compatibility.judge(found.row.backend, found.row.toolchain, host) if host and not exact else None
+        if verdict is not None and verdict.fit == compatibility.Fit.refused:
+            skipped.append(f"{found.row.version}: {verdict.says()}")
+            continue
+        if found.commit is None:
+            raise IntegrityError(
+                f"{source.name}'s signed index (index_version {listing.signed.index.index_version}) lists "
+                f"{found.row.version} (published {found.row.published}), but the repository has no tag for it: the "
+                "version is withheld (a freeze) or was removed without a new index. Nothing was taken. Ask its "
+                "publisher, or name an older version to take that one instead")
+        trust.check_version(source.identity, found.row, allow_older)
+        return chosen(found, name, host, skipped, listing.signed)
+    raise PipelineError(f"no published version of {name!r} in {source.name} fits this host:\n  - "
+                        + "\n  - ".join(skipped))
 
 
 def newest_first(source, variant: str, published: list[index.Published], work: Path) -> list[index.Published]:
@@ -169,9 +240,10 @@ def newest_first(source, variant: str, published: list[index.Published], work: P
     if undated:
         head = source.head()
         if variant in layout.variant_folders(source.files(head)):
-            source.fetch(head, layout.path_in(variant, layout.MANIFEST), work / "head-manifest.json")
-            head_version = Manifest.read(work / "head-manifest.json").version
+            raw = index.fetch_bounded(source, head, layout.path_in(variant, layout.MANIFEST),
+                                      work / "head-manifest.json", Manifest.MAX_BYTES)
             (work / "head-manifest.json").unlink()  # the signature check allows nothing but the version's files
+            head_version = Manifest.from_bytes(raw, f"{variant}/manifest.json at the head").version
     return dated + sorted(undated, key=lambda p: p.row.version != head_version)
 
 
@@ -212,7 +284,7 @@ def destination(dest: Path) -> Path:
 
 
 def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: bool, host: dict | None = None,
-         verify_full: bool = False) -> Path:
+         verify_full: bool = False, *, allow_older: str | None = None, allow_expired: bool = False) -> Path:
     """Fetch, verify and unpack the version ``name`` (or the newest of the variant ``name``) into ``dest``; with
     ``host`` (this host's toolchain record), only a version that fits it (pipeline/backends/compatibility.py).
 
@@ -222,27 +294,71 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
     take turns (a lock per version): the second finds the first's. ``source`` None pulls nothing: only what ``dest``
     holds (``--offline``).
 
+    With ``public_key``, the signed index chooses and this client's trusted state bounds the choice
+    (pipeline/publishing/trust.py): ``allow_older`` names a version older than one already taken that may be taken
+    all the same, ``allow_expired`` takes an index past its expiry.
+
     Every name the repository supplies (its listing's folders, the manifest's archive and directory names) is checked
     as a plain path component before it becomes a path (pipeline/core/names.py), and every file is created inside the
-    work folder this call made, or as ``dest``'s one rank directory and the files beside it, or as the version's lock
-    in ``dest/.locks/``.
+    work folder this call made (the rank directory is unpacked there too, then renamed), or as ``dest``'s one rank
+    directory and the files beside it, or as the version's lock in ``dest/.locks/``. A work folder left by a pull
+    that was killed is removed by the next one (``work_folder``).
     """
     destination(dest)
-    with (reporting_full_disk(dest, f"pull {name}"),
-          tempfile.TemporaryDirectory(dir=dest, prefix=f".pull{TMP_MARK}", ignore_cleanup_errors=True) as tmp):
-        work = Path(tmp)
+    with reporting_full_disk(dest, f"pull {name}"), work_folder(dest) as work:
         if source is None:
-            version, commit = cached_version(dest, name, host)
-        else:
-            version, commit = resolve(source, name, work, host, public_key)  # once: every file from this commit
-        with locking.held(dest, lock_name(component(version, "the version to pull"))):
-            kept = reused(dest, version, commit, source, work, public_key, allow_unsigned, host, verify_full)
-            if kept is not None:
-                return kept
-            if source is None:
-                raise PipelineError(f"--offline: {dest} holds no usable {version} (see above); pull it without "
-                                    "--offline")
-            return fetched(source, version, commit, dest, work, public_key, allow_unsigned, host, verify_full)
+            choice = Choice(*cached_version(dest, name, host))
+        else:  # once: every file from this commit
+            choice = resolve(source, name, work, host, public_key, allow_older, allow_expired)
+        with locking.held(dest, lock_name(component(choice.version, "the version to pull"))):
+            kept = reused(dest, choice, source, work, public_key, allow_unsigned, host, verify_full)
+            if kept is None and source is None:
+                raise PipelineError(f"--offline: {dest} holds no usable {choice.version} (see above); pull it "
+                                    "without --offline")
+            if kept is None:
+                kept = fetched(source, choice, dest, work, public_key, allow_unsigned, host, verify_full)
+        if choice.signed is not None:
+            trust.remember(source.identity, choice.signed, choice.row)
+        return kept
+
+
+WORK_PREFIX = f".pull{TMP_MARK}"
+
+
+@contextmanager
+def work_folder(dest: Path) -> Iterator[Path]:
+    """A new work folder in ``dest``, removed afterwards. The folder itself is locked (flock, on the directory) while
+    the pull runs: the kernel lets go when the pull dies, however it dies, so the next pull removes what a killed one
+    left (its lock is free: a whole version's size, the archive and the half-unpacked rank directory are in there)
+    and never a running one's (its lock is held)."""
+    for left in sorted(dest.glob(f"{WORK_PREFIX}*")):
+        if left.is_dir() and not left.is_symlink() and not held_by_a_pull(left):
+            log.info("pull: removing %s, left by a pull that was killed", left)
+            shutil.rmtree(left, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(dir=dest, prefix=WORK_PREFIX))
+    lock = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        os.close(lock)
+
+
+def held_by_a_pull(folder: Path) -> bool:
+    """Whether a running pull holds ``folder``'s lock (True too when this user cannot ask: only what is proven
+    abandoned is removed)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def lock_name(version: str) -> str:
@@ -275,13 +391,13 @@ def cached_version(dest: Path, name: str, host: dict | None) -> tuple[str, str]:
                         f"(it holds {sorted(entry.version for _, entry in pulled.entries(dest))})")
 
 
-def reused(dest: Path, version: str, commit: str, source, work: Path, public_key: str | None, allow_unsigned: bool,
+def reused(dest: Path, choice: Choice, source, work: Path, public_key: str | None, allow_unsigned: bool,
            host: dict | None, verify_full: bool) -> Path | None:
-    """The rank directory of ``version`` when ``dest`` already holds it from ``source`` at ``commit`` (the same commit
-    of the same source: the same bytes) and it still verifies, with no download; else None, and it is fetched. One
-    that no longer matches its manifest is removed first (this release's pull made it: it has a record). Offline
+    """The rank directory of the chosen version when ``dest`` already holds it from ``source`` at its commit (the same
+    commit of the same source: the same bytes) and it still verifies, with no download; else None, and it is fetched.
+    One that no longer matches its manifest is removed first (this release's pull made it: it has a record). Offline
     (``source`` None), any source's will do, and one that does not verify is refused, not removed."""
-    offline = source is None
+    offline, version, commit = source is None, choice.version, choice.commit
     found = [(rank_dir, entry) for rank_dir, entry in pulled.entries(dest)
              if (entry.version, entry.commit) == (version, commit) and (offline or entry.source == source.identity)]
     if not found:
@@ -291,6 +407,8 @@ def reused(dest: Path, version: str, commit: str, source, work: Path, public_key
         log.warning("pull: the manifest beside %s is not the one pulled with it%s", rank_dir,
                     "" if offline else "; fetching it again")
         return None
+    if choice.row is not None and entry.manifest_sha256 != choice.row.manifest_sha256:
+        return None  # fetched: the signed index names another manifest, and the download is checked against it
     shutil.copyfile(manifest_beside(rank_dir), work / signing.MANIFEST)
     if pulled.signature_beside(rank_dir).is_file():
         shutil.copyfile(pulled.signature_beside(rank_dir), work / signing.SIGNATURE)
@@ -313,8 +431,8 @@ def reused(dest: Path, version: str, commit: str, source, work: Path, public_key
         if offline:
             raise IntegrityError(f"--offline: {exc}; pull it again without --offline") from None
         log.warning("pull: %s no longer matches its manifest (%s); fetching it again", rank_dir, exc)
-        discard(rank_dir)
         emptied(work)
+        discard(rank_dir, work)
         return None
     log.info("pull: %s is in %s (commit %s, signature %s, rank files checked %s): nothing downloaded", version,
              rank_dir, commit[:12], accepted, how)
@@ -327,31 +445,42 @@ def emptied(work: Path) -> None:
         (work / name).unlink(missing_ok=True)
 
 
-def discard(rank_dir: Path) -> None:
-    """Remove a pulled version: its directory first (one rename: it is gone at once), then what is beside it."""
-    gone = temp_dir_beside(rank_dir)
+def discard(rank_dir: Path, work: Path) -> None:
+    """Remove a pulled version: its directory first (one rename into the work folder: it is gone at once, and a kill
+    before it is deleted leaves it where the next pull removes it), then what is beside it."""
+    gone = work / f"discarded-{rank_dir.name}"
     os.replace(rank_dir, gone)
     for beside in (pulled.pulled_beside(rank_dir), pulled.signature_beside(rank_dir), manifest_beside(rank_dir)):
         beside.unlink(missing_ok=True)
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def fetched(source, version: str, commit: str, dest: Path, work: Path, public_key: str | None, allow_unsigned: bool,
+def fetched(source, choice: Choice, dest: Path, work: Path, public_key: str | None, allow_unsigned: bool,
             host: dict | None, verify_full: bool) -> Path:
-    """``version`` fetched from ``source`` at ``commit``, verified and unpacked into ``dest``; a rank directory of that
-    version already there is used when it holds exactly the published files (the same archive sha256)."""
+    """The chosen version fetched from ``source`` at its commit, verified and unpacked into ``dest``; a rank directory
+    of that version already there is used when it holds exactly the published files (the same archive sha256).
+
+    The manifest and its signature are fetched within their size bounds and the signature checked over the bytes
+    before the manifest is parsed; with a signed index, the manifest must be the one its row names."""
+    version, commit = choice.version, choice.commit
     files = source.files(commit)
     folder = variant_folder(files, version)
-    source.fetch(commit, layout.path_in(folder, layout.MANIFEST), work / signing.MANIFEST)
-    manifest = Manifest.read(work / signing.MANIFEST)  # its names are checked (Manifest.problems)
+    raw = index.fetch_bounded(source, commit, layout.path_in(folder, layout.MANIFEST), work / signing.MANIFEST,
+                              Manifest.MAX_BYTES)
+    if layout.path_in(folder, signing.SIGNATURE) in files:
+        source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE,
+                     signing.MAX_SIGNATURE_BYTES)
+    accepted = signing.check(work, None, public_key, allow_unsigned, f"{version} in {source.name}")
+    if choice.row is not None and sha256_bytes(raw) != choice.row.manifest_sha256:
+        raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} is not the manifest the signed index names for "
+                             f"{version} (sha256 {sha256_bytes(raw)[:12]}, the index says "
+                             f"{choice.row.manifest_sha256[:12]}): another version's files mixed in. Nothing was taken")
+    manifest = Manifest.from_bytes(raw, f"{folder}/manifest.json at {commit[:12]}")  # names checked: problems()
     if manifest.version != version:
         raise IntegrityError(f"{folder}/manifest.json at {commit[:12]} describes {manifest.version!r}, "
                              f"not {version!r}")
     judged(manifest, host)
-    if layout.path_in(folder, signing.SIGNATURE) in files:
-        source.fetch(commit, layout.path_in(folder, signing.SIGNATURE), work / signing.SIGNATURE)
     archive_name = manifest.archive.name
-    accepted = signing.check(work, archive_name, public_key, allow_unsigned, f"{version} in {source.name}")
     target = child(dest, manifest.archive.root, "the manifest's archive.root")
     if target.exists() and already_there(target, manifest, work, source, commit, verify_full):
         log.info("pull: %s is already in %s and verifies", version, target)
@@ -365,7 +494,7 @@ def fetched(source, version: str, commit: str, dest: Path, work: Path, public_ke
     pulled.pulled_beside(target).unlink(missing_ok=True)
     keep_beside(work, target)
     try:
-        build = extract_verified(work / archive_name, manifest, target)
+        build = extract_verified(work / archive_name, manifest, target, staging=work)
     except BaseException:
         if not target.exists():
             for beside in (manifest_beside(target), pulled.signature_beside(target)):
@@ -403,7 +532,7 @@ def already_there(target: Path, manifest: Manifest, work: Path, source, commit: 
         build, _ = pulled.reverified(target, manifest, verify_full)
     except IntegrityError as exc:
         log.warning("pull: %s no longer matches its manifest (%s); fetching it again", target, exc)
-        discard(target)
+        discard(target, work)
         return False
     pulled.record(build, manifest, commit, source.identity, entry.pulled).write(pulled.pulled_beside(target))
     return True
@@ -416,6 +545,16 @@ def keep_beside(work: Path, target: Path) -> None:
         atomic_write_bytes(pulled.signature_beside(target), (work / signing.SIGNATURE).read_bytes())
     else:
         pulled.signature_beside(target).unlink(missing_ok=True)
+
+
+def add_trust_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags by which a user takes, by name, what the signed index's bounds would refuse (pull and serve)."""
+    parser.add_argument("--allow-older", metavar="VERSION",
+                        help="take VERSION although this client already took a newer version of its variant from "
+                             "this source (with --public-key: a rollback is refused unless named)")
+    parser.add_argument("--allow-expired", action="store_true",
+                        help="take the signed index although it is past its expiry (its publisher stopped refreshing "
+                             "it, or an old copy is served)")
 
 
 def main(argv: list[str]) -> int:
@@ -438,6 +577,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--any-host", action="store_true",
                         help="fetch and verify without judging whether this host can run it (to serve it elsewhere, "
                              "or to build an image on another machine); a variant's name then takes its newest")
+    add_trust_flags(parser)
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
@@ -447,7 +587,8 @@ def main(argv: list[str]) -> int:
         dest = (args.dest or versions_dir()).resolve()
         host = None if args.any_host else host_toolchain()
         source = None if args.offline else source_for(args.source)
-        path = pull(source, args.version, dest, args.public_key, args.allow_unsigned, host, args.verify_full)
+        path = pull(source, args.version, dest, args.public_key, args.allow_unsigned, host, args.verify_full,
+                    allow_older=args.allow_older, allow_expired=args.allow_expired)
     print(path)
     return 0
 

@@ -15,8 +15,10 @@ background: ``GET /health`` answers 503 ``loading`` until the build is loaded an
 Routes (pipeline/serving/api.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
 version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
 ``GET /metrics``. One request decodes at a time; up to ``--queue-size`` wait, each up to ``--queue-timeout`` seconds.
-A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read. SIGTERM or Ctrl-C: the
-running request finishes, the waiting ones and any new one get 503, and the command exits 0.
+A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read, one slower than
+``--body-timeout`` 408; at most ``--max-connections`` are open at once (past it the oldest idle one is closed), and
+one whose headers take longer than ``--header-timeout`` is closed (pipeline/serving/connections.py). SIGTERM or
+Ctrl-C: the running request finishes, the waiting ones and any new one get 503, and the command exits 0.
 
     python -m pipeline serve your-org/gemma-4-E4B-it-inferentia2 2048_bf16 --checkpoint /data/gemma-4-E4B-it \\
         --dest /workspace --public-key signing-key.pub.pem --port 8000
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import errno
 import gc
+import logging
 import socket
 import sys
 import threading
@@ -36,18 +39,23 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
-from pipeline.cli.pull import host_toolchain, judged, pull, source_for
+from pipeline.cli.pull import add_trust_flags, host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a prompt that fills a 2048-token cache is about 10 KB of text
+DEFAULT_MAX_CONNECTIONS = 256  # one decodes at a time and --queue-size wait: the rest are health probes and idlers
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a client sends its headers in one write; 10 s is ample on any network
+DEFAULT_BODY_TIMEOUT_S = 30.0  # 1 MiB (--max-request-bytes) at 35 KB/s
 
 
-def take_port(host: str, port: int) -> socket.socket:
+def take_port(host: str, port: int):
     """The listening socket, before any work: a port in use is refused by name."""
+    from pipeline.serving.connections import Listener
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = Listener(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old connections linger
     try:
         sock.bind((host, port))
@@ -87,15 +95,17 @@ def obtain(args: argparse.Namespace) -> Path:
         raise PipelineError(problem)
     dest = (args.dest or versions_dir()).resolve()
     source = None if args.offline else source_for(args.source)
-    return pull(source, args.version, dest, args.public_key, args.allow_unsigned, host_toolchain(), args.verify_full)
+    return pull(source, args.version, dest, args.public_key, args.allow_unsigned, host_toolchain(), args.verify_full,
+                allow_older=args.allow_older, allow_expired=args.allow_expired)
 
 
-def run_server(service, sock: socket.socket) -> int:
+def run_server(service, sock, limits: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; the build loads in the decode thread meanwhile. 0, or 1 when the load
     failed (the server stops at once: a server that will never be ready must not look alive)."""
     import uvicorn
 
     from pipeline.serving.api import create_app
+    from pipeline.serving.connections import OncePer, bounded_protocol
 
     failed = threading.Event()
 
@@ -108,7 +118,10 @@ def run_server(service, sock: socket.socket) -> int:
             # the command exits 0 instead of dying of the signal (and the build's ranks are closed first).
             getattr(self, "_captured_signals", []).clear()
 
-    config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=None)
+    protocol = bounded_protocol(sock, limits.max_connections, limits.header_timeout_s)
+    for name in ("asyncio", "uvicorn.error"):  # a refused accept or a broken client is logged once per 10 s, not each
+        logging.getLogger(name).addFilter(OncePer())
+    config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=None, http=protocol)
     server = Server(config)
     server.loop = None
 
@@ -143,7 +156,7 @@ def run_server(service, sock: socket.socket) -> int:
     return 1 if failed.is_set() else 0
 
 
-def main(argv: list[str]) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a local publish folder, a Hugging Face repo id, or a directory pull printed")
@@ -160,6 +173,7 @@ def main(argv: list[str]) -> int:
                              "of that variant pulled last that fits this host)")
     parser.add_argument("--verify-full", action="store_true",
                         help="hash every rank file before loading, even where pull's record vouches for them")
+    add_trust_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
@@ -168,13 +182,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"the largest request body taken; past it: 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
                              "1 MiB)")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="connections held open at once; past it, the oldest with no request in progress is "
+                             f"closed (default {DEFAULT_MAX_CONNECTIONS}; kept under ulimit -n)")
+    parser.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a request's headers may take to arrive; past it the connection is closed "
+                             f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help=f"seconds a request's body may take to arrive; past it: 408 (default "
+                             f"{DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = arguments().parse_args(argv)
     setup()
     with exit_on_error():
         if args.queue_size < 0 or args.queue_timeout <= 0:
             raise InputError(f"--queue-size {args.queue_size} --queue-timeout {args.queue_timeout}: the queue size "
                              "is 0 or more and the timeout more than 0 seconds")
+        if args.max_connections < 8 or args.header_timeout_s <= 0 or args.body_timeout <= 0:
+            raise InputError(f"--max-connections {args.max_connections} --header-timeout {args.header_timeout_s:g} "
+                             f"--body-timeout {args.body_timeout:g}: allow at least 8 connections (health probes "
+                             "and the queue need room) and timeouts of more than 0 seconds")
         if args.max_request_bytes < 1024:
             raise InputError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024 (a chat request's "
                              "JSON alone is a few hundred bytes)")
@@ -188,7 +219,8 @@ def main(argv: list[str]) -> int:
             how = engine.verify(args.verify_full and is_rank_dir(args.source))  # pull has just hashed the others
             log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
                      engine.version, how, args.host, sock.getsockname()[1])
-            return run_server(Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes), sock)
+            service = Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes, args.body_timeout)
+            return run_server(service, sock, args)
         finally:
             sock.close()
     return 1  # pragma: no cover - exit_on_error exits

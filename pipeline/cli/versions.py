@@ -23,8 +23,9 @@ from pathlib import Path
 from pipeline.backends import compatibility
 from pipeline.cli.pull import host_toolchain, source_for
 from pipeline.core.log import exit_on_error, setup
+from pipeline.core.names import escaped
 from pipeline.core.records import encode
-from pipeline.publishing import index
+from pipeline.publishing import index, trust
 from pipeline.publishing.card import cell
 
 COLUMNS = ("version", "variant", "compiler", "tok/s", "first token ms", "signed", "published", "fits this host")
@@ -34,10 +35,13 @@ def table(rows: list[tuple[index.Published, compatibility.Verdict]]) -> str:
     lines = [[p.row.version, p.row.variant.name, p.row.compiler, cell(p.row.metrics.get("tokens_per_s"), "{:.1f}"),
               cell(p.row.metrics.get("ttft_ms"), "{:.0f}"), "yes" if p.row.signed else "no",
               cell(p.row.published), verdict.fit.value] for p, verdict in rows]
+    lines = [[escaped(str(x)) for x in line] for line in lines]  # an unsigned index's strings reach the terminal
     widths = [max(len(str(x)) for x in column) for column in zip(COLUMNS, *lines)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [COLUMNS, *lines]]
-    notes = [f"  {p.row.version}: {verdict.says()}" for p, verdict in rows
+    notes = [escaped(f"  {p.row.version}: {verdict.says()}") for p, verdict in rows
              if verdict.fit != compatibility.Fit.compatible]
+    notes += [escaped(f"  {p.row.version}: the signed index lists it, but the repository has no tag for it (withheld "
+                      "or removed): pull refuses it") for p, _ in rows if p.commit is None]
     return "\n".join(out + (["", "why:", *notes] if notes else []))
 
 
@@ -52,16 +56,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
     parser.add_argument("--variant", help="only this variant's versions")
     parser.add_argument("--fits-this-host", action="store_true", help="only the versions this host can run")
-    parser.add_argument("--public-key", help="PEM public key the index's signature must verify with (an index that "
-                                             "fails it is not used: every version is read from its manifest)")
+    parser.add_argument("--public-key", help="PEM public key the index's signature must verify with (the signed index "
+                                             "then decides: one that is missing, fails, has expired or is older than "
+                                             "one already trusted is refused)")
+    parser.add_argument("--allow-expired", action="store_true", help="list a signed index past its expiry")
     parser.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
     args = parser.parse_args(argv)
     setup()
     with exit_on_error(), tempfile.TemporaryDirectory(prefix="versions-") as work:
         source = source_for(args.source)
         host = host_toolchain()
-        rows = [(p, compatibility.judge(p.row.backend, p.row.toolchain, host))
-                for p in index.published_versions(source, Path(work), args.public_key)
+        listing = index.listing(source, Path(work), args.public_key, args.allow_expired)
+        if listing.signed is not None:  # a rolled-back index is refused here too; a newer one is remembered
+            trust.check_index(source.identity, listing.signed)
+            trust.remember(source.identity, listing.signed)
+        rows = [(p, compatibility.judge(p.row.backend, p.row.toolchain, host)) for p in listing.versions
                 if args.variant is None or p.row.variant.name == args.variant]
         if args.fits_this_host:
             rows = [(p, v) for p, v in rows if v.fit != compatibility.Fit.refused]

@@ -25,6 +25,8 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+from pipeline.core.names import escaped
+
 log = logging.getLogger("pipeline")
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -66,13 +68,15 @@ def redact(text: str) -> str:
 
 class Formatter(logging.Formatter):
     """``2026-01-31 12:00:00,123 INFO pipeline: validate: 512_fp32 passed every gate``: every command's lines, with
-    secrets redacted (``redact``)."""
+    secrets redacted (``redact``) and control and format characters escaped."""
 
     def __init__(self) -> None:
         super().__init__(FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+        # A name from outside (a repository's, a client's) may carry terminal escapes or bidi overrides: written as
+        # escapes, as repr would (pipeline/core/names.py); the line's own newlines and tabs stay.
+        return redact(escaped(super().format(record), keep="\n\t"))
 
 
 class RecordLine(logging.Formatter):

@@ -11,13 +11,17 @@ that folder's direct child.
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 from pipeline.core.errors import IntegrityError
 
 MAX_COMPONENT_BYTES = 255  # NAME_MAX on Linux file systems (ext4, xfs)
-# Control characters (a terminal or a log would render them), the separators of POSIX and Windows paths.
-_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f/\\]")
+# What a terminal or a log acts on or hides rather than shows: control characters (C0 and C1: ESC, CSI, NEL), format
+# characters (bidi overrides such as U+202E, zero-width joiners), lone surrogates (no encoding can write them), and
+# the line and paragraph separators (U+2028, U+2029). One rule for every name from outside.
+UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_SEPARATORS = ("/", "\\")  # of POSIX and Windows paths
 # What ``git check-ref-format`` refuses anywhere in a ref: control characters, space, ``~^:?*[\``, ``..``, ``@{``
 # and ``//`` (git-check-ref-format(1), rules 3-5, 8 and 10); the Hub checks tag names the same way.
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
@@ -26,20 +30,34 @@ _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
 def component_problem(name: object) -> str | None:
     """Why ``name`` is not one plain path component, or None.
 
-    Refused: anything but a non-empty string; ``.`` and ``..``; a separator (``/``, ``\\``) or control character; a
-    leading ``.`` (hidden, and the mark of this project's temporary names) or ``-`` (read as an option by the tools a
-    user points at it); more than 255 bytes.
+    Refused: anything but a non-empty string; ``.`` and ``..``; a separator (``/``, ``\\``) or a character of
+    ``UNSAFE_CATEGORIES``; a leading ``.`` (hidden, and the mark of this project's temporary names) or ``-`` (read as
+    an option by the tools a user points at it); more than 255 bytes.
     """
     if not isinstance(name, str) or not name:
         return "it is empty or not a string"
-    found = _FORBIDDEN.search(name)
+    found = unsafe_character(name) or next((sep for sep in _SEPARATORS if sep in name), None)
     if found:
-        return f"it contains {found.group()!r}"
+        return f"it contains {found!r}"
     if name.startswith((".", "-")):
         return "it starts with '.' or '-'"
     if len(name.encode("utf-8", "surrogateescape")) > MAX_COMPONENT_BYTES:
         return f"it is longer than {MAX_COMPONENT_BYTES} bytes"
     return None
+
+
+def unsafe_character(text: str) -> str | None:
+    """The first character of ``text`` in ``UNSAFE_CATEGORIES``, or None."""
+    return next((c for c in text if unicodedata.category(c) in UNSAFE_CATEGORIES), None)
+
+
+def escaped(text: str, keep: str = "") -> str:
+    """``text`` as a terminal shows it safely: each character of ``UNSAFE_CATEGORIES`` but those in ``keep`` written
+    as its escape (``\\x1b``, ``\\u202e``), as ``repr`` writes it."""
+    if unsafe_character(text) is None:
+        return text
+    return "".join(repr(c)[1:-1] if c not in keep and unicodedata.category(c) in UNSAFE_CATEGORIES else c
+                   for c in text)
 
 
 def component(name: object, what: str) -> str:

@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from pipeline.core import jsonio
 from pipeline.core.choices import values
 from pipeline.core.errors import PipelineError
 from pipeline.core.fsutil import atomic_write_json, canonical_json, read_json, sha256_bytes
@@ -181,6 +182,8 @@ class Record:
     SCHEMA_VERSION: ClassVar[int | None] = None
     """The ``schema_version`` a record of this release carries (None: the record has none). Another is refused
     before its keys are read: they may mean something else."""
+    MAX_BYTES: ClassVar[int] = 16 << 20
+    """The largest file of this kind read (pipeline/core/jsonio.py: a record may come from outside)."""
 
     def problems(self) -> list[str]:
         """What is wrong beyond keys and types (formats, consistency); a subclass adds its own checks."""
@@ -205,14 +208,24 @@ class Record:
         return record
 
     @classmethod
+    def from_bytes(cls: type[R], raw: bytes, source: str) -> R:
+        """The record in the JSON text ``raw``, read within this kind's bounds (size, depth, no repeated key)."""
+        if len(raw) > cls.MAX_BYTES:
+            raise cls.ERROR(f"{source} is {len(raw)} bytes, more than the {cls.MAX_BYTES} a {cls.KIND} may have: "
+                            f"refusing to read it. {cls.FIX}")
+        try:
+            data = jsonio.loads(raw)
+        except jsonio.JSONRefused as exc:
+            raise cls.ERROR(f"{source} is not a readable {cls.KIND}: {exc}. {cls.FIX}") from None
+        return cls.from_json(data, source)
+
+    @classmethod
     def read(cls: type[R], path: str | Path) -> R:
         path = Path(path)
         try:
-            data = read_json(path)
+            data = jsonio.read(path, cls.MAX_BYTES, cls.ERROR)
         except FileNotFoundError:
             raise cls.ERROR(f"no {cls.KIND} at {path}: {cls.MAKE}") from None
-        except ValueError as exc:
-            raise cls.ERROR(f"{path} is not valid JSON ({exc}): {cls.FIX}") from None
         return cls.from_json(data, str(path))
 
     @classmethod

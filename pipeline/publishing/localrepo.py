@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pipeline.core.errors import PublishError
+from pipeline.core.errors import IntegrityError, PublishError
 from pipeline.core.fsutil import CHUNK, sha256_stream
 from pipeline.core.names import repo_path
 
@@ -90,12 +90,18 @@ class LocalRepo:
             found = sha256_stream(proc.stdout)
         return found if proc.returncode == 0 else None
 
-    def checkout_file(self, revision: str, path: str, dest: Path) -> None:
-        """Stream one file of ``revision`` to ``dest``, a new file (archives can be many GB: never held in memory).
+    def checkout_file(self, revision: str, path: str, dest: Path, max_bytes: int | None = None) -> None:
+        """Stream one file of ``revision`` to ``dest``, a new file (archives can be many GB: never held in memory);
+        one larger than ``max_bytes`` is refused before a byte is copied.
 
         ``dest`` is created here, exclusively: an existing file is never opened, truncated or removed, whatever a
         repository's names say, and only the file this call created is removed when the copy fails."""
         repo_path(path, "a file of the repository")
+        if max_bytes is not None:
+            size = self.git("cat-file", "-s", f"{revision}:{path}", check=False).stdout.strip()
+            if size.isdigit() and int(size) > max_bytes:
+                raise IntegrityError(f"{path} at {revision[:12]} is {size} bytes, more than the {max_bytes} a file "
+                                     "of its kind may have: refusing to download it")
         out = open(dest, "xb")  # noqa: SIM115 - closed below, and removed only if it is ours
         # Copied through this process, so a full disk raises an OSError here (git would only exit non-zero).
         try:

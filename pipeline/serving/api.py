@@ -1,6 +1,7 @@
 """The HTTP routes of ``serve``: OpenAI-compatible chat and completions, the seed's ``/generate``, health, metrics.
 
-Every request body is read up to ``max_request_bytes`` and no further (past it: 413, before the rest is read) and
+Every request body is read up to ``max_request_bytes`` and no further (past it: 413, before the rest is read),
+parsed within bounds (pipeline/core/jsonio.py: nested past 32 levels, a repeated key or ``NaN``: 400) and
 checked against the models below before any work (an unknown field, a wrong type, strictly: ``true`` is no number; a
 negative ``max_tokens``: a 400 in OpenAI's error shape naming the field), and uvicorn serves them (cli/serve.py). A
 prompt is tokenized in a thread of its own, off the event loop, after a length check that refuses, untokenized, a
@@ -38,10 +39,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.core import jsonio
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
-from pipeline.serving.engine import Engine, Finish, Piece
-from pipeline.serving.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprob
+from pipeline.serving.engine import Engine, Finish, Piece, RanksFailed
+from pipeline.serving.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, Sampler, SamplingParams, TokenLogprob
 from pipeline.validation.generation import new_tokens_problem
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -68,7 +70,7 @@ class Sampling(Body):
     n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
 
     def sampling_problem(self) -> tuple[str, str] | None:
@@ -161,37 +163,47 @@ class Refused(Exception):
                                                                                 retry_after_s)
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
                             status_code=self.status, headers=headers)
 
 
-async def parse(request: Request, model: type[BodyT], max_bytes: int) -> BodyT:
+async def parse(request: Request, model: type[BodyT], max_bytes: int, timeout_s: float) -> BodyT:
     """The request's JSON body as ``model``, or a 400 naming what is wrong. The body is read as JSON whatever its
     Content-Type says (curl's ``-d`` sends form encoding), and never past ``max_bytes``: a larger declared
     Content-Length is a 413 before a byte of it is read, and a body that grows past it (chunked, or longer than
-    declared) a 413 as soon as it does."""
+    declared) a 413 as soon as it does; one still arriving after ``timeout_s`` a 408."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise too_large(int(declared), max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large(size, max_bytes, "at least ")
-        chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except ValueError as exc:
-        raise Refused(400, f"the request body is not valid JSON: {exc}") from None
+        chunks = await asyncio.wait_for(body_chunks(request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise Refused(408, f"the request body took more than {timeout_s:g} s to arrive (serve --body-timeout)",
+                      code="request_timeout") from None
+    try:
+        data = jsonio.loads(b"".join(chunks))
+    except jsonio.JSONRefused as exc:
+        raise Refused(400, f"the request body cannot be read: {exc}") from None
     if not isinstance(data, dict):
         raise Refused(400, f"the request body is a JSON {type(data).__name__}; it must be an object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise describe_validation(exc) from None
+
+
+async def body_chunks(request: Request, max_bytes: int) -> list[bytes]:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(size, max_bytes, "at least ")
+        chunks.append(chunk)
+    return chunks
 
 
 def too_large(size: int, max_bytes: int, at_least: str = "") -> Refused:
@@ -315,8 +327,9 @@ class Service:
     """The app's state: the engine (``None`` until loaded), its readiness, the queue and the metrics."""
 
     def __init__(self, engine: Engine, queue_size: int, queue_timeout_s: float,
-                 max_request_bytes: int):
+                 max_request_bytes: int, body_timeout_s: float):
         self.engine = engine
+        self.body_timeout_s = body_timeout_s
         self.metrics = Metrics()
         self.admission: Admission | None = None  # made by open()
         self.queue_size, self.queue_timeout_s = queue_size, queue_timeout_s
@@ -415,11 +428,15 @@ class Service:
         asyncio.ensure_future(watch_disconnect(request, decoding.cancel))
         return decoding
 
-    def fail(self, exc: BaseException) -> None:
-        if isinstance(exc, InputError):
-            return
-        self.state, self.problem = "failed", f"{type(exc).__name__}: {exc}"
-        log.error("serve: decoding failed, the server stops taking requests: %s", self.problem)
+    def failed(self, exc: BaseException) -> None:
+        """A decode raised ``exc``: the server stops taking requests when the ranks failed; any other error was the
+        request's own (logged with its traceback, for the operator) and the next request is served."""
+        if isinstance(exc, RanksFailed):
+            self.state, self.problem = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("serve: the build's ranks failed, the server stops taking requests: %s", self.problem)
+        elif not isinstance(exc, InputError):
+            log.error("serve: one request failed (the server goes on): %s: %s", type(exc).__name__, exc,
+                      exc_info=exc)
 
     async def complete(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
                        arrived: float, sampling: SamplingParams | None = None) -> Outcome:
@@ -449,13 +466,14 @@ class Decoding:
         self.cancel = threading.Event()
 
     async def items(self) -> AsyncIterator[Piece | Finish]:
-        """The pieces as they come, then the ``Finish``; a failure of the worker is a 500."""
+        """The pieces as they come, then the ``Finish``. A failure of the worker is a 500 for this request; only the
+        ranks' failing (``RanksFailed``) fails the server for every request."""
         metrics, first = self.service.metrics, True
         try:
             while True:
                 item = await self.pieces.get()
                 if isinstance(item, BaseException):
-                    self.service.fail(item)
+                    self.service.failed(item)
                     raise Refused(500, f"decoding failed: {type(item).__name__}: {item}")
                 if isinstance(item, Piece):
                     if first:
@@ -581,7 +599,7 @@ async def models(request: Request) -> dict:
 async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, tuple[str, ...]]:
     """A chat or completion request's body, checked; the engine, ready and serving its model; its stops."""
     service = service_of(request)
-    body = await parse(request, kind, service.max_request_bytes)
+    body = await parse(request, kind, service.max_request_bytes, service.body_timeout_s)
     engine = service.require_ready(body.model)
     check_sampling(body)
     return body, engine, stops_of(body.stop)
@@ -691,7 +709,7 @@ async def completion_events(decoding: Decoding, head: dict, engine: Engine, samp
 async def generate(request: Request) -> dict:
     arrived = time.perf_counter()
     service = service_of(request)
-    body = await parse(request, GenerateRequest, service.max_request_bytes)
+    body = await parse(request, GenerateRequest, service.max_request_bytes, service.body_timeout_s)
     engine = service.require_ready(None)
     messages = [{"role": "user", "content": body.prompt}]
     ids = await service.ids([body.prompt], lambda: engine.chat_ids(messages), "prompt")

@@ -13,6 +13,10 @@ Requests arrive as token ids (``chat_ids`` and ``text_ids`` make them) and leave
 each token adds, found by decoding everything generated so far (a token may end in the middle of a character), held
 back while it could be the start of a stop string. ``decode`` runs in one worker thread; ``cancel`` stops it between
 two tokens.
+
+What fails is told apart: an exception raised by the build's ranks (``RanksFailed``: a rank process died, the
+runtime raised) leaves nothing to serve with, and the server stops taking requests; anything else a decode raises
+(the sampler, the tokenizer, the host's own prefill) is that one request's error, and the next request is served.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
 from pipeline.serving.sampling import Sampler, TokenLogprob
@@ -53,6 +57,36 @@ class Finish:
     reason: str  # "stop" (an end-of-sequence token or a stop string), "length" (max_tokens reached), "cancelled"
     text: str  # what was held back and is now released (the stop string itself never is)
     completion_tokens: int
+
+
+class RanksFailed(PipelineError):
+    """A call into the build's ranks failed: the ranks may be mid-step or gone, so nothing more can be served."""
+
+
+class GuardedRunner:
+    """The backend's runner, with its failures named ``RanksFailed``: what the ranks raise fails the server, what a
+    request's own host-side work raises fails only that request (api.Service tells the two apart by this type)."""
+
+    def __init__(self, runner):
+        self.runner, self.shape = runner, runner.shape
+
+    def prefill(self, *inputs):
+        return self._call("prefill", *inputs)
+
+    def decode(self, *inputs):
+        return self._call("decode", *inputs)
+
+    def seed_kv(self, per_rank):
+        return self._call("seed_kv", per_rank)
+
+    def reset(self):
+        return self._call("reset")
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self.runner, name)(*args)
+        except Exception as exc:
+            raise RanksFailed(f"the build's ranks failed in {name}: {type(exc).__name__}: {exc}") from exc
 
 
 def text_prefix_of(checkpoint: Path) -> str:
@@ -142,7 +176,8 @@ class Engine:
             host = HostPrefill(ckpt, spec, self.shape.kv_max)
             self.host_bytes["host_prefill_float_model"] = sum(
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
-        runner = self._stack.enter_context(get_backend(self.manifest.backend).load(self.build, self.shape))
+        runner = GuardedRunner(self._stack.enter_context(get_backend(self.manifest.backend).load(self.build,
+                                                                                                  self.shape)))
         self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
         started = time.perf_counter()
         for _ in self.decode(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, (), threading.Event()):

@@ -3,14 +3,15 @@
 The compiled graphs return the full fp32 logits row of every step (validation compares them), so sampling needs no
 other graph: ``Sampler.choose`` is given the row and returns the token, which the next decode step is fed.
 
-- ``temperature`` 0 (or omitted) is greedy: the argmax, the text validation checked. Above 0 the logits are divided
-  by it and a token is drawn from their softmax, restricted to the smallest set of most likely tokens whose
-  probabilities reach ``top_p`` (nucleus sampling).
+- ``temperature`` 0 (or omitted) is greedy: the argmax, the text validation checked; so is any temperature below
+  ``SAMPLING_EPS`` (vLLM's rule: dividing by 1e-308 overflows the logits to inf, and their softmax to nan). Above it
+  the logits are divided by it and a token is drawn from their softmax, restricted to the smallest set of most likely
+  tokens whose probabilities reach ``top_p`` (nucleus sampling).
 - ``presence_penalty`` and ``frequency_penalty`` lower the logit of every token already generated in this request
   (once, and once per occurrence: OpenAI's definition), before the choice.
-- ``seed`` makes a request reproducible: one ``torch.Generator`` per request, seeded with it, is the only source of
-  randomness (the same request with the same seed gives the same text, on the same build). Without a seed, one is
-  drawn from the operating system.
+- ``seed`` (a signed 64-bit integer, as vLLM takes it) makes a request reproducible: one ``torch.Generator`` per
+  request, seeded with it, is the only source of randomness (the same request with the same seed gives the same text,
+  on the same build). Without a seed, one is drawn from the operating system.
 - ``logprobs``: the log-probabilities of the chosen token and of the ``top_logprobs`` most likely ones, from the
   model's own distribution at that step (the log-softmax of the logits, before temperature, penalties and top_p), so
   they read the same whatever the sampling settings.
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (completions: 5)
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS (vllm/sampling_params.py): a temperature below it is greedy
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bounds (torch.iinfo(torch.long)); manual_seed overflows past them
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, 
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from dataclasses import replace
@@ -35,7 +34,7 @@ from pipeline.artifact.manifest import Manifest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.errors import PublishError
-from pipeline.core.fsutil import json_text, write_json_if_changed
+from pipeline.core.fsutil import json_text, sha256_bytes, write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
 from pipeline.core.records import encode
@@ -143,7 +142,7 @@ def dump(obj) -> bytes:
 
 def read_manifest(raw: bytes | None, where: str) -> Manifest | None:
     """A manifest read from the target (None when there is none there)."""
-    return Manifest.from_json(json.loads(raw), where) if raw else None
+    return Manifest.from_bytes(raw, where) if raw else None
 
 
 def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: dict, private_key: str | None) -> dict:
@@ -160,8 +159,9 @@ def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: dict, p
     return files
 
 
-def published_manifests(target, exclude: str) -> list[Manifest]:
-    """The manifest of every tagged version, read at its tag: the model card lists them all."""
+def published_manifests(target, exclude: str) -> list[tuple[Manifest, str]]:
+    """The manifest of every tagged version, read at its tag, with the sha256 of its bytes: the model card lists them
+    all, the index hashes them."""
     out = []
     for tag, commit in sorted(target.tags().items()):
         if tag == exclude:
@@ -170,7 +170,7 @@ def published_manifests(target, exclude: str) -> list[Manifest]:
         raw = target.read(commit, layout.path_in(folder, layout.MANIFEST)) if folder else None
         manifest = read_manifest(raw, f"{folder}/manifest.json at tag {tag}")
         if manifest and manifest.version == tag:
-            out.append(manifest)
+            out.append((manifest, sha256_bytes(raw)))
     return out
 
 
@@ -220,26 +220,36 @@ def repair(target, version: str, variant: str, archive: Path, ours: Manifest, th
     return commit
 
 
-def index_files(target, head: str, others: list[Manifest], new: Manifest, private_key: str | None) -> dict:
+def index_files(target, head: str, others: list[tuple[Manifest, str]], new: tuple[Manifest, str],
+                private_key: str | None, expiry_days: float) -> dict:
     """The repository's ``versions.json`` (pipeline/publishing/index.py) with ``new`` added, from every tagged
-    version's manifest (so never stale when written), each keeping the publish time the head's index gave it; and its
-    signature where signing is on.
+    version's manifest (so never stale when written), each keeping the publish time the head's index gave it, one
+    ``index_version`` past the head's; and its signature where signing is on.
 
-    A retry after a commit whose answer was lost finds ``new`` in the head's index already: it keeps that time, so the
-    index (and the signature, taken from the head for the same bytes) are the bytes already there, and the Hub client
-    makes no second commit of unchanged files."""
+    A retry after a commit whose answer was lost finds ``new`` in the head's index already: it keeps that index (its
+    number, times and rows), so the index (and the signature, taken from the head for the same bytes) are the bytes
+    already there, and the Hub client makes no second commit of unchanged files."""
     at_head = target.read(head, layout.INDEX)
+    previous = index.readable(at_head)
+    if previous is not None and new[0].version in {row.version for row in previous.versions}:
+        return index_files_of(target, head, previous, private_key)
     dates = index.published_dates(at_head)
-    rows = [index.row_of(m, dates.get(m.version)) for m in others]
-    data = index.encode(rows + [index.row_of(new, dates.get(new.version) or index.now())])
+    rows = [index.row_of(m, sha, dates.get(m.version)) for m, sha in others]
+    rows.append(index.row_of(new[0], new[1], index.now()))
+    return index_files_of(target, head, index.written(rows, previous, expiry_days), private_key)
+
+
+def index_files_of(target, head: str, written: index.VersionIndex, private_key: str | None) -> dict:
+    """``versions.json`` for ``written``, and ``versions.sig`` where signing is on (the head's, for the same bytes)."""
+    data = index.encode(written)
     if not private_key:
         return {layout.INDEX: data}
-    signed = target.read(head, layout.INDEX_SIGNATURE) if data == at_head else None
+    signed = target.read(head, layout.INDEX_SIGNATURE) if data == target.read(head, layout.INDEX) else None
     return {layout.INDEX: data, layout.INDEX_SIGNATURE: signed or index.signature(data, private_key)}
 
 
 def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str,
-                    archive: Path, private_key: str | None = None) -> dict:
+                    archive: Path, private_key: str | None, expiry_days: float) -> dict:
     """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build),
     once the published archive is verified against its manifest (and repaired from ``archive`` if it can be).
 
@@ -268,14 +278,62 @@ def publish_version(target, version: str, variant: str, prepare, ours: Manifest,
     files, manifest = prepare(read_manifest(target.read(head, layout.path_in(variant, layout.MANIFEST)),
                                             f"{variant}/manifest.json at the head"))
     others = published_manifests(target, version)
-    require_same_model(manifest, others, repo_id)
-    card = render(others + [manifest], repo_id, source).encode()
-    files = {**files, layout.CARD: card, **index_files(target, head, others, manifest, private_key)}
+    require_same_model(manifest, [m for m, _ in others], repo_id)
+    card = render([m for m, _ in others] + [manifest], repo_id, source).encode()
+    new = (manifest, sha256_bytes(files[layout.path_in(variant, layout.MANIFEST)]))
+    files = {**files, layout.CARD: card, **index_files(target, head, others, new, private_key, expiry_days)}
     stale = [p for p in target.list_files(head) if (p.startswith(f"{variant}/") or p == layout.INDEX_SIGNATURE)
              and p not in files]
     commit = target.commit(files, stale, f"Publish {version}", head)
     target.tag(version, commit, replace=False)
     return {"commit": commit, "created": True, "repaired": False}
+
+
+def on_target(cfg: PipelineConfig, act, what: str) -> tuple[dict, str]:
+    """``act(target, source)`` on the configured target (the local repository under its lock; the Hub with retries):
+    its result and where the target is."""
+    pub = cfg.publish
+    if pub.target == "local":
+        repo_dir = Paths.of(cfg).root / pub.local_dir
+        repo_dir.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
+            return act(LocalRepo(repo_dir), str(repo_dir)), str(repo_dir.resolve())
+    from pipeline.publishing import hub
+
+    target = hub.HubTarget(pub.repo_id, pub.private)
+    return hub.with_retries(lambda: act(target, pub.repo_id), f"{what} to {pub.repo_id}", pub.retries,
+                            pub.retry_base_s, pub.retry_max_s, pub.repo_id), pub.repo_id
+
+
+def refresh_index(cfg: PipelineConfig, force: bool = False) -> dict:
+    """Write the target's ``versions.json`` again (same rows, the next ``index_version``, a new expiry; signed where
+    signing is on) when less than half of ``publish.index_expiry_days`` is left, or with ``force``: what keeps a
+    consumer with the public key taking it while nothing new is published. Returns ``{"commit", "refreshed",
+    "expires", "index_version"}``."""
+    pub, key = cfg.publish, cfg.package.signing.private_key
+
+    def refresh(target, _source: str) -> dict:
+        target.ensure()
+        head = target.head()
+        previous = index.readable(target.read(head, layout.INDEX))
+        if previous is None:
+            raise PublishError(f"the head of {pub.repo_id} holds no {layout.INDEX} this release reads: publish any "
+                               "version with this release first (it writes the index whole)")
+        left = index.parsed_time(previous.expires) - index.parsed_time(index.now())
+        if not force and left.total_seconds() > pub.index_expiry_days * 86400 / 2:
+            return {"commit": head, "refreshed": False, "expires": previous.expires,
+                    "index_version": previous.index_version}
+        new = index.refreshed(previous, pub.index_expiry_days)
+        stale = [layout.INDEX_SIGNATURE] if not key and layout.INDEX_SIGNATURE in target.list_files(head) else []
+        commit = target.commit(index_files_of(target, head, new, key), stale,
+                               f"Refresh {layout.INDEX} (index_version {new.index_version})", head)
+        return {"commit": commit, "refreshed": True, "expires": new.expires, "index_version": new.index_version}
+
+    result, where = on_target(cfg, refresh, "refreshing the index")
+    log.info("refresh-index: %s: %s (index_version %d, expires %s)", where,
+             "written again" if result["refreshed"] else "fresh enough, nothing to do", result["index_version"],
+             result["expires"])
+    return result
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -304,22 +362,11 @@ def run(cfg: PipelineConfig) -> StageResult:
 
     def publish(target, source: str) -> dict:
         return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source, archive,
-                               sig.private_key)
+                               sig.private_key, pub.index_expiry_days)
 
-    if pub.target == "local":
-        repo_dir = paths.root / pub.local_dir
-        repo_dir.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
-            result = publish(LocalRepo(repo_dir), str(repo_dir))
-        where = str(repo_dir.resolve())
-    else:
-        from pipeline.publishing import hub
-
+    if pub.target != "local":
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
-        target = hub.HubTarget(pub.repo_id, pub.private)
-        result = hub.with_retries(lambda: publish(target, pub.repo_id), f"publishing {version} to {pub.repo_id}",
-                                  pub.retries, pub.retry_base_s, pub.retry_max_s, pub.repo_id)
-        where = pub.repo_id
+    result, where = on_target(cfg, publish, f"publishing {version}")
     write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
         "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
         "fingerprint": manifest.fingerprint, "archive_sha256": manifest.archive.sha256,
