@@ -31,7 +31,7 @@ VERSION_MARKS := across_versions and not cluster and not container
 PYTEST_WORKERS ?= 2
 XDIST = -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
-.PHONY: demo test test-full test-slow test-rehearsal test-production test-xla test-lowest test-cluster slurm-packages \
+.PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b test-production test-xla test-lowest test-cluster slurm-packages \
 	constraints lock lint dvc-demo clean-artifacts container-packages container-base container-images \
 	test-container
 
@@ -148,6 +148,15 @@ lock: $(VENV)/.installed
 # checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote). About 4 minutes.
 test-rehearsal: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py
+
+# The full-size rehearsal (bench/rehearse_e4b.py, docs/full-size.md): a Gemma-4-E4B-shaped checkpoint with random
+# weights (15 GB, written here), then every stage of 512_bf16 and 512_bf16_host at tp_degree 2 on the cpu backend, a
+# local publish, pull, serve through the openai client, and the baselines (transformers' bf16 generate, tar with zstd),
+# every process's peak memory and the disk's high-water mark measured. About 25 minutes and 75 GB of free disk on a
+# 2-core, 24 GiB machine; not part of .ci/run. Writes $(REHEARSAL_DIR)/artifacts/rehearsal.json.
+REHEARSAL_DIR ?= /tmp/rehearse-e4b
+rehearse-e4b: $(VENV)/.installed
+	$(PY) bench/rehearse_e4b.py --out $(REHEARSAL_DIR)
 
 # Every test marked slow: the rehearsal, and the checks that take a minute or more each (the same bytes from two
 # checkouts, DVC through a compiler upgrade, interrupted traces, rebuilds compared with what was published).

@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
 
+    import torch
+
     from bench.rank_weights_rss import write_checkpoint
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostPrefill
@@ -59,7 +61,7 @@ def main() -> None:
         spec = load_spec(path)
         prompt = list(range(2, 2 + args.tokens))
         with Checkpoint(path, "model.", None) as ckpt:
-            host = HostPrefill(ckpt, spec, 256)
+            host = HostPrefill(ckpt, spec, 256, torch.float32)  # the fp32 figure this bench has always reported
             many = host_prefill_threads()
             one_s = timed(host.prefill, prompt, 1, args.runs)
             many_s = timed(host.prefill, prompt, many, args.runs)

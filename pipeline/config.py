@@ -111,7 +111,7 @@ class ResourceNeed:
     validate_gb: float | None = None
     """Loading a build and decoding with it."""
     host_prefill_gb: float | None = None
-    """The host's float model that prefills host-prefill variants (validate only)."""
+    """The host's prefill model that prefills host-prefill variants (validate only)."""
     disk_gb: float | None = None
     """Written per variant: compiler work files, the rank files and the archive."""
 

@@ -5,10 +5,12 @@ is built once per test run through ``built_once``, by the first worker to ask, a
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +24,9 @@ from filelock import FileLock
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # This user's cache (pulled versions, the trusted state of each source: pipeline/core/cache.py) is the test run's own,
 # shared by the processes the tests start, never the user's.
-os.environ.setdefault("GEMMA4_PIPELINE_CACHE", tempfile.mkdtemp(prefix="gemma4-test-cache-"))
+if "GEMMA4_PIPELINE_CACHE" not in os.environ:  # pytest-xdist's workers inherit the controller's, which removes it
+    os.environ["GEMMA4_PIPELINE_CACHE"] = tempfile.mkdtemp(prefix="gemma4-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GEMMA4_PIPELINE_CACHE"], ignore_errors=True)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -18,21 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.models.e4b_shaped import multimodal_config
+
 TEXT_PREFIX = "model.language_model."
 SHARDS = 2
-
-
-def multimodal_config(text: dict):
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4VisionConfig
-
-    text = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version", "dtype")}
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=8, position_embedding_size=64)
-    audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=16)
-    config = Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=audio.to_dict(),
-                          tie_word_embeddings=True)
-    config.architectures = ["Gemma4ForConditionalGeneration"]
-    return config
 
 
 def write(tiny_dir: Path, out: Path) -> Path:

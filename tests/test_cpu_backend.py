@@ -49,7 +49,7 @@ def run(weights_dir: Path, build_dir: Path, shape: BuildShape, prompts, forced=N
     """Greedy (or teacher-forced) generations of every prompt from a build, through the serving loop."""
     spec = load_spec(weights_dir)
     with Checkpoint(weights_dir, "model.") as ckpt:
-        host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
+        host = HostPrefill(ckpt, spec, shape.kv_max, shape.torch_dtype) if shape.prefill == "host" else None
         with BACKEND.load(verified(build_dir), shape) as runner:
             gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
             return [gen.generate(ids, NEW_TOKENS, forced=None if forced is None else forced[i])

@@ -263,7 +263,7 @@ def test_a_task_too_big_for_the_host_runs_alone_and_a_failure_stops_only_its_var
 
 def test_the_schedule_command_reports_needs_and_budget(tmp_path):
     # The needs are derived from the checkpoint's config.json (here E4B's, alone): the seed's figures for E4B, and
-    # its fp32 float model for host prefill (pipeline/host/preflight.py).
+    # its prefill model at the variant's dtype for host prefill (pipeline/host/preflight.py).
     checkpoint = tmp_path / "e4b"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps(E4B_CONFIG))
@@ -274,7 +274,7 @@ def test_the_schedule_command_reports_needs_and_budget(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "budget 189.0 GiB of RAM + swap" in out.stderr
     assert "2048_bf16 needs build 180.0 GiB, validate 15.0 GiB" in out.stderr
-    assert "2048_bf16_host needs build 180.0 GiB, validate 36.6 GiB" in out.stderr
+    assert "2048_bf16_host needs build 180.0 GiB, validate 24.1 GiB" in out.stderr
     offline = subprocess.run([sys.executable, "-m", "pipeline", "schedule", "--dry-run", "--variants", "2048_bf16",
                               "model=gemma4_e4b", "backend=neuron", f"artifacts_dir={tmp_path}"], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

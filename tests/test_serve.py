@@ -756,5 +756,5 @@ def test_a_neuron_build_serves_on_the_stand_in_sdk(neuron_checked, variant, tmp_
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert generated.stdout.rstrip("\n") == text
     said = srv.log.read_text()
-    assert ("host prefill float model" in said) == (variant == "256_bf16_host"), said
+    assert ("host prefill model" in said) == (variant == "256_bf16_host"), said
     assert "embedding tables mapped" in said

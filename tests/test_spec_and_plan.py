@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline.core.errors import ConfigError, UnsupportedModelError
+from pipeline.models.e4b_shaped import E4B_TEXT
 from pipeline.recipe.host import split_kv_for_ranks
 from pipeline.recipe.plan import ShardPlan
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_from_config
@@ -17,25 +18,9 @@ from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_f
 # the production pins (tests/conftest.py, --already-tested-with).
 pytestmark = pytest.mark.across_versions("torch", "transformers", "safetensors")
 
-# The shape-bearing fields of google/gemma-4-E4B-it's config.json (the multimodal release nests the decoder).
-E4B_CONFIG = {
-    "model_type": "gemma4",
-    "tie_word_embeddings": True,
-    "text_config": {
-        "model_type": "gemma4_text",
-        "vocab_size": 262144, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
-        "num_kv_shared_layers": 18, "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
-        "use_double_wide_mlp": False, "sliding_window": 512, "final_logit_softcapping": 30.0,
-        "attention_k_eq_v": False, "enable_moe_block": False, "hidden_activation": "gelu_pytorch_tanh",
-        "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(42)],
-        "rope_parameters": {
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,
-    },
-}
+# google/gemma-4-E4B-it's config.json, its shape-bearing fields (the multimodal release nests the decoder; the one
+# statement of them is pipeline/models/e4b_shaped.py).
+E4B_CONFIG = {"model_type": "gemma4", "tie_word_embeddings": True, "text_config": dict(E4B_TEXT)}
 
 
 def test_e4b_spec_from_global_head_dim():

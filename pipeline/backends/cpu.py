@@ -27,7 +27,7 @@ import torch
 from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import TraceRequest, check_request, example_inputs
 from pipeline.backends.ranks import ProcessRunner, report_failure, serve_commands, trace_in_processes, trace_result
-from pipeline.backends.torchscript import strip_debug_records
+from pipeline.backends.torchscript import save as save_torchscript
 from pipeline.core.build_records import TraceResult
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
 from pipeline.core.log import relay_output
@@ -80,14 +80,11 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
             if "_cache_" in name:
                 buf.zero_()  # tracing ran the examples through the caches
     path = Path(out_dir) / f"tp_{rank}.pt"
-    # Through a Python file: saving to a path aborts the whole process (C++ terminate) when a write fails, where a
-    # file object raises an OSError we can explain (a full disk, ulimit -f).
     with reporting_full_disk(path, f"trace: rank {rank}"):
-        with open(path, "wb") as f:
-            torch.jit.save(traced, f)
-            f.flush()
-            os.fsync(f.fileno())
-        strip_debug_records(path)  # the same bytes from any checkout, environment or host
+        path.unlink(missing_ok=True)  # a rank file of an interrupted attempt
+        # No copy of the archive in memory; then without its debug records: the same bytes from any checkout,
+        # environment or host.
+        save_torchscript(traced, path)
     return {
         "rank": rank,
         "load_s": round(loaded - started, 3),

@@ -369,6 +369,9 @@ class NeuronBackend:
             if found != sorted(self.members(shape)):
                 raise BuildError(f"the neuron compile wrote {found}, expected exactly {self.members(shape)} "
                                  f"(work files kept in {workdir})")
+            # The work files go before the rewrite below writes its copy: ModelBuilder's sharded checkpoints (all
+            # ranks' bytes), the model file and its copy were 3x the ranks' bytes on disk at once; now 2x.
+            shutil.rmtree(workdir, ignore_errors=True)
             for name in found:
                 strip_debug_records(tmp / name)  # the same bytes from any checkout, environment or host
             members = tuple(Member(name, (tmp / name).stat().st_size, sha256_file(tmp / name)) for name in found)

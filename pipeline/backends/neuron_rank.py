@@ -42,6 +42,7 @@ from torch import nn
 
 from pipeline.backends.aliased_rank import AliasedRank
 from pipeline.backends.base import CheckpointRef, example_inputs
+from pipeline.backends.torchscript import save as save_torchscript
 from pipeline.core.fsutil import reporting_full_disk
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent
@@ -302,11 +303,11 @@ def trace_device_prefill(job: dict) -> None:
                     compiler_args=compiler_arg_string(job["compiler_args"]))
     traced = builder.trace(initialize_model_weights=True)
     path = Path(job["out_dir"]) / NXD_MODEL_FILE
-    # Through a Python file, so a failed write raises (saving to a path aborts the process instead).
-    with reporting_full_disk(path, "trace: saving the ModelBuilder model"), open(path, "wb") as f:
-        torch.jit.save(traced, f)
-        f.flush()
-        os.fsync(f.fileno())
+    # Record by record (to a file object, torch.jit.save builds the whole archive in memory first: both ranks'
+    # weights, 9.4 GB at E4B's bf16), after checking the disk can hold it; the stage strips its debug records once
+    # the work files are gone.
+    with reporting_full_disk(path, "trace: saving the ModelBuilder model"):
+        save_torchscript(traced, path, strip=False)
 
 
 def stop_with_parent() -> None:

@@ -19,7 +19,9 @@ archives the same way; their compiled NEFFs are records like any other and are c
 
 from __future__ import annotations
 
+import errno
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -43,6 +45,13 @@ def format_version(reader) -> int:
     raise ValueError("no format version record: not a TorchScript archive")
 
 
+def record_sizes(path: Path) -> dict[str, int]:
+    """Each record's size, by the reader's names (the archive's zip entries without their top folder): the reader
+    of torch 2.8, the production pin, has no ``get_record_size``."""
+    with zipfile.ZipFile(path) as archive:
+        return {info.filename.split("/", 1)[1]: info.file_size for info in archive.infolist() if "/" in info.filename}
+
+
 def strip_debug_records(path: Path) -> bool:
     """Rewrite the TorchScript archive ``path`` without its debug records (in place, atomically). False when it has
     none; the result is the same bytes whatever path, environment, user, host or time the archive was saved from."""
@@ -52,14 +61,22 @@ def strip_debug_records(path: Path) -> bool:
     if not any(is_debug_record(n) for n in names):
         return False
     kept = [n for n in names if not is_debug_record(n) and n not in WRITTEN_BY_WRITER]
+    sizes = record_sizes(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}strip")
     try:
         with open(tmp, "wb") as f:
             writer = torch._C.PyTorchFileWriter(f)  # a stream: the archive is named "archive", as torch.jit.save does
             writer.set_min_version(format_version(reader))
             for name in kept:
-                data = reader.get_record(name)  # one record in memory at a time (a weight, a NEFF)
-                writer.write_record(name, data, len(data))
+                # One record in memory at a time (a weight, a NEFF), read once into a tensor's storage: get_record
+                # would return a bytes object copied from its own buffer, twice the largest record (E4B's head
+                # shard is 0.67 GB).
+                if sizes[name]:
+                    data = reader.get_storage_from_record(name, sizes[name], torch.uint8)
+                    writer.write_record(name, data.untyped_storage(), sizes[name])
+                    del data
+                else:
+                    writer.write_record(name, b"", 0)
             writer.write_end_of_file()
             f.flush()
             os.fsync(f.fileno())
@@ -72,3 +89,50 @@ def strip_debug_records(path: Path) -> bool:
     finally:
         tmp.unlink(missing_ok=True)
     return True
+
+
+SAVE_SLACK_BYTES = 64 << 20  # beyond the tensors: the archive's code, pickles and zip records
+
+
+def archive_bytes(module) -> int:
+    """What ``torch.jit.save`` writes for ``module``, bounded from above: its tensors' storages, plus slack."""
+    storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) + SAVE_SLACK_BYTES
+
+
+def require_room(path: Path, size: int, copies: int = 1) -> None:
+    """Refuse (``OSError``: EFBIG for ``ulimit -f``, else ENOSPC) a file of ``size`` bytes at ``path`` that the
+    process's file size limit cannot hold, or ``copies`` of which its file system cannot, before a byte is written."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size > limit:
+        raise OSError(errno.EFBIG, f"a {size}-byte file is over this process's file size limit of {limit} bytes",
+                      str(path))
+    stat = os.statvfs(path.parent)
+    if copies * size > stat.f_bavail * stat.f_frsize:
+        raise OSError(errno.ENOSPC, f"{copies} x {size} bytes do not fit in the {stat.f_bavail * stat.f_frsize} "
+                      "bytes free", str(path))
+
+
+def save(module, path: Path, strip: bool = True) -> None:
+    """``torch.jit.save(module)`` into the new file ``path``, holding no copy of the archive in memory, then
+    ``strip_debug_records``; refused with an ``OSError`` before writing when the file system or ``ulimit -f`` cannot
+    hold the file and the stripped copy ``strip_debug_records`` writes beside it.
+
+    ``torch.jit.save`` to a file object first builds the whole archive in memory (``save_to_buffer``): at E4B's
+    widths, a rank of 1.18 GiB of weights peaked 3.6 GiB above it. To a path it writes record by record, but a failed
+    write throws from the zip writer's destructor and aborts the process (C++ terminate, torch 2.13 and 2.8 alike,
+    tried under ``ulimit -f``; a pipe does not do either: the writer checks its stream's position), hence the check
+    first. What the check cannot see (another process filling the disk during the save) still aborts the rank
+    process, which its parent reports with the signal. ``strip=False`` leaves the rewrite to the caller (the neuron
+    backend's stage does it once ModelBuilder's work files are gone).
+    """
+    path = Path(path)
+    require_room(path, archive_bytes(module), copies=2 if strip else 1)
+    torch.jit.save(module, str(path))
+    if strip:
+        strip_debug_records(path)

@@ -53,7 +53,7 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
     spec = load_spec(checkpoint)
     with Checkpoint(checkpoint, text_prefix or text_prefix_of(checkpoint)) as ckpt:
         ckpt.verify(spec)
-        host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
+        host = HostPrefill(ckpt, spec, shape.kv_max, shape.torch_dtype) if shape.prefill == "host" else None
         with get_backend(manifest.backend).load(build, shape) as runner:
             gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
             out = gen.generate(ids, new_tokens)

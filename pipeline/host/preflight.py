@@ -2,7 +2,7 @@
 
 ``measure()`` reads the host (``/proc/meminfo``, the cgroup's memory limits along its hierarchy, free disk at each
 path that will be written, ``neuron-ls --json-output``); ``estimate()`` derives what a variant needs from its
-checkpoint's own spec: the bytes of one rank's weights at the variant's dtype (and of the host's float model), times
+checkpoint's own spec: the bytes of one rank's weights at the variant's dtype (and of the host's prefill model), times
 factors measured per backend (``CPU``, ``NEURON``, ``XLA``: each backend's entry in pipeline/backends/registry.py
 names its own), with ``model.resources.<backend>.<key>`` overriding any figure;
 ``decide()`` compares the two and returns every shortfall with the exact numbers and the commands that fix it. All
@@ -295,8 +295,14 @@ class WeightBytes:
     rank: int
     """One rank's tensors at the variant's dtype (``ShardPlan.rank_bytes``): what a rank's trace or load holds."""
     tp_degree: int
+    largest: int
+    """The largest of those tensors (``ShardPlan.largest_tensor_bytes``): a rank file's rewrite holds one at once."""
+    host_prefill: int
+    """The host's prefill model of a host-prefill variant: the whole decoder as one rank at the variant's dtype
+    (pipeline/recipe/host.py)."""
     host_float: int
-    """The host's float model of host prefill: the whole decoder as one fp32 rank (pipeline/recipe/host.py)."""
+    """The same decoder in fp32: what the float reference holds (pipeline/stages/reference.py; the per-layer table
+    stays mapped in its file, and a tied head is the token table)."""
 
     @property
     def ranks(self) -> int:
@@ -308,8 +314,10 @@ def weight_bytes(spec: ModelSpec, shape: BuildShape) -> WeightBytes:
 
     from pipeline.recipe.plan import ShardPlan
 
-    return WeightBytes(ShardPlan(spec, shape.tp_degree).rank_bytes(shape.torch_dtype), shape.tp_degree,
-                       ShardPlan(spec, 1).rank_bytes(torch.float32))
+    plan = ShardPlan(spec, shape.tp_degree)
+    return WeightBytes(plan.rank_bytes(shape.torch_dtype), shape.tp_degree,
+                       plan.largest_tensor_bytes(shape.torch_dtype),
+                       ShardPlan(spec, 1).rank_bytes(shape.torch_dtype), ShardPlan(spec, 1).rank_bytes(torch.float32))
 
 
 @dataclass(frozen=True)
@@ -324,6 +332,10 @@ class Factors:
     """Each graph compiled at once: its process's interpreter and imports."""
     graph_per_byte: float
     """... plus this many bytes per byte of one rank's weights."""
+    graph_largest_copies: float
+    """... plus this many copies of its largest tensor (the cpu backend's rewrite of the rank file)."""
+    graph_per_prefill_token: float
+    """... plus this many bytes per byte of its weights for each token of a traced prefill bucket."""
     validate_fixed_gb: float
     """The stage and validation processes, whatever the model."""
     load_rank_gb: float
@@ -331,7 +343,7 @@ class Factors:
     validate_per_byte: float
     """... plus this many bytes per byte of all ranks' weights."""
     host_prefill_per_byte: float
-    """The host's float model of a host-prefill variant, per byte of its fp32 weights."""
+    """The host's prefill model of a host-prefill variant, per byte of its weights (at the variant's dtype)."""
     disk_fixed_gb: float
     disk_per_byte: float
     """Written per variant, per byte of all ranks' weights: the rank files, the archive (and compiler work files)."""
@@ -343,9 +355,10 @@ class Factors:
 E4B_BF16_RANK_GB = 4_728_697_000 / GIB
 E4B_BF16_RANKS_GB = 2 * E4B_BF16_RANK_GB
 
-# cpu: measured here (cpu backend, torch 2.13, 2 cores, tp_degree 2), on the tiny model (weights ~1 MiB: the fixed
-# parts) and on a 6-layer checkpoint at E4B's widths (bench/rank_weights_rss.py; bf16 ranks of 1.18 GiB, a 4.66 GiB
-# float model), from the figures build.json and validation.json record. Each factor is the measurement rounded up.
+# cpu: each term is what the code holds (pipeline/backends/cpu.py, pipeline/validation/worker.py), at factors measured
+# here (torch 2.13, 2 cores, tp_degree 2) on the tiny model (weights ~1 MiB: the fixed parts) and at full size on an
+# E4B-shaped checkpoint (make rehearse-e4b, docs/full-size.md: ranks of 4.40 GiB, the largest tensor 0.63 GiB), from
+# the figures build.json and validation.json record. Each factor is the measurement rounded up.
 CPU = Factors(
     trace_fixed_gb=0.5,  # the trace stage's process: 0.30 GiB for either model
     trace_base_per_byte=0.0,  # it reads the spec only; the ranks read their own weights
@@ -353,23 +366,33 @@ CPU = Factors(
     # versions; the allocator's arenas differ), and 0.69-0.73 GiB under torch 2.8, the production pin (make
     # test-production, tests/test_preflight.py), so the fixed parts carry a third more than the largest seen
     graph_fixed_gb=1.0,
-    graph_per_byte=4.2,  # 5.19 GiB for 512_bf16 (5.08 for 256_bf16_host): (5.19 - 0.37) / 1.18 = 4.1 (state dict,
-    # the module's parameters, TorchScript's copies and the serialised file)
-    # the validate stage's process (0.32 GiB) and the validation process (0.31-0.33 GiB; 0.63 GiB under torch 2.8)
+    # Its weights once: sliced from the checkpoint and assigned to the module (load_state_dict(assign=True)); the
+    # trace shares them, and the save writes record by record (pipeline/backends/torchscript.py)
+    graph_per_byte=1.0,
+    # the rewrite without debug records holds one record at a time: the largest tensor (E4B's head shard)
+    graph_largest_copies=1.0,
+    # the tracer keeps every intermediate of the traced prefill alive until it ends: E4B's device-prefill rank peaked
+    # 0.42 GiB above its host-prefill twin (5.96 against 5.54 GiB at bucket 128), 7.5e-4 of its weights per token
+    graph_per_prefill_token=8e-4,
+    # the validate stage's process (0.32-0.63 GiB) and the validation process (0.31-0.64 GiB; the most under torch
+    # 2.8, and at E4B's 262,144-token tokenizer)
     validate_fixed_gb=1.3,
-    load_rank_gb=0.75,  # a rank's load process: 0.27-0.30 GiB with the tiny model, 0.52 GiB under torch 2.8
-    validate_per_byte=1.25,  # ranks 1.52 GiB each ((1.52 - 0.30) / 1.18 = 1.03 per rank byte) and the validation
-    # process 0.31 GiB more than with the tiny model (0.13 per byte of both ranks): 1.17
-    host_prefill_per_byte=1.25,  # the validation process of 256_bf16_host: 5.67 GiB above 512_bf16's for a 4.66 GiB
-    # fp32 float model: 1.22
+    load_rank_gb=0.75,  # a rank's load process, beyond its weights: 0.27-0.30 GiB with the tiny model, 0.52 GiB under
+    # torch 2.8, 0.65 GiB at E4B's size (5.05 GiB for 4.40 GiB of weights)
+    validate_per_byte=1.0,  # torch.jit.load holds each rank's weights once
+    host_prefill_per_byte=1.05,  # HostPrefill holds the decoder once, at the variant's dtype (pipeline/recipe/host.py)
     disk_fixed_gb=0.1,  # records and logs
-    disk_per_byte=3.0,  # rank files 1.00x and the tar archive 1.00x of both ranks' bytes; validation unpacks a third
+    # the rank files 1.00x, the archive 0.78x (zstd of random bf16 weights; trained ones compress alike) and the
+    # validation's unpacked ranks 1.00x: 2.78x of both ranks' bytes at E4B's size; the trace's rewrite of the rank
+    # files (2.00x) comes before the archive. A local publish adds git's copy of the archive once the unpacked
+    # ranks are gone (2.56x)
+    disk_per_byte=3.0,
 )
 
 # neuron: the seed's E4B figures (/work/shared/reference/neuron-and-prior-art.md, "the seed recipe": E4B at
 # tp_degree 2 on inf2), over E4B's bf16 bytes. An fp32 variant has twice the bytes and is judged twice as big, which
 # errs on the side of refusing. The fixed parts are the cpu backend's processes (the Neuron packages' own imports were
-# not measured); the host's float model is the same code on the host as on cpu.
+# not measured); the host's prefill model is the same code on the host as on cpu.
 NEURON = Factors(
     trace_fixed_gb=CPU.trace_fixed_gb,
     # Both ranks compiling at once peaked past 128 GiB of RAM and needed a 55 GiB swap file: ~180 GiB, split as E4B's
@@ -377,6 +400,8 @@ NEURON = Factors(
     trace_base_per_byte=(20 - CPU.trace_fixed_gb) / E4B_BF16_RANKS_GB,
     graph_fixed_gb=CPU.graph_fixed_gb,
     graph_per_byte=(80 - CPU.graph_fixed_gb) / E4B_BF16_RANK_GB,
+    graph_largest_copies=0.0,  # in the seed's figure
+    graph_per_prefill_token=0.0,
     # Loading a build on an inf2.xlarge peaks at ~14.5 GB (so 16 GiB RAM + a 16 GiB swap file): 15 GiB. The ranks
     # are threads of the validation process: no process per rank.
     validate_fixed_gb=CPU.validate_fixed_gb,
@@ -409,12 +434,14 @@ class BackendNeeds(Protocol):
     def graphs_at_once(self, shape: BuildShape, max_parallel: int, resources: ResourceNeed) -> tuple[int, str]: ...
 
 
-def derive(weights: WeightBytes, f: Factors) -> ResourceNeed:
-    """Every figure of ``ResourceNeed`` from the weights' bytes and a backend's factors."""
-    rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_float / GIB
+def derive(weights: WeightBytes, f: Factors, prefill_tokens: int = 0) -> ResourceNeed:
+    """Every figure of ``ResourceNeed`` from the weights' bytes and a backend's factors (``prefill_tokens``: the
+    bucket of a traced prefill graph, 0 for host prefill)."""
+    rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_prefill / GIB
     return ResourceNeed(
         trace_base_gb=f.trace_fixed_gb + f.trace_base_per_byte * ranks,
-        trace_per_graph_gb=f.graph_fixed_gb + f.graph_per_byte * rank,
+        trace_per_graph_gb=(f.graph_fixed_gb + f.graph_per_byte * rank + f.graph_largest_copies * weights.largest / GIB
+                            + f.graph_per_prefill_token * prefill_tokens * rank),
         validate_gb=f.validate_fixed_gb + weights.tp_degree * f.load_rank_gb + f.validate_per_byte * ranks,
         host_prefill_gb=f.host_prefill_per_byte * host,
         disk_gb=f.disk_fixed_gb + f.disk_per_byte * ranks,
@@ -448,7 +475,9 @@ def estimate(spec: ModelSpec, shape: BuildShape, backend: BackendNeeds, override
     weights = weight_bytes(spec, shape)
     given = {f.name: getattr(overrides, f.name) for f in fields(ResourceNeed)} if overrides else {}
     chosen = {k: v for k, v in given.items() if v is not None}
-    return Estimate(replace(derive(weights, backend.factors), **chosen), weights, tuple(chosen), backend.name)
+    prefill_tokens = shape.bucket if "prefill" in shape.entries else 0
+    return Estimate(replace(derive(weights, backend.factors, prefill_tokens), **chosen), weights, tuple(chosen),
+                    backend.name)
 
 
 def trace_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape, max_parallel: int,
@@ -467,11 +496,30 @@ def trace_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape
 
 
 def validate_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape, basis: str = "") -> Need:
-    """What loading a build and decoding with it needs (plus the host's float model for host prefill)."""
+    """What loading a build and decoding with it needs (plus the host's prefill model for host prefill)."""
     what = f"validating {shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill on {backend.name}" + (
         f" ({basis})" if basis else "")
     memory = resources.validate_gb + (resources.host_prefill_gb if shape.prefill == "host" else 0.0)
     return Need(int(memory * GIB), {}, backend.neuron_cores(shape), what)
+
+
+# The float reference (pipeline/stages/reference.py), whatever the backend: transformers' model with its decoder in
+# fp32 (WeightBytes.host_float), and what any model costs (interpreter, transformers, the tokenizer, generate's
+# buffers). Measured with make rehearse-e4b (docs/full-size.md).
+REFERENCE_FIXED_GB = 2.5
+REFERENCE_PER_BYTE = 1.0
+
+
+def reference_need(spec: ModelSpec) -> Need:
+    """What the float reference needs: a model of its own on the host, the largest process of a build at E4B's
+    size (its decoder in fp32 is 17.6 GiB)."""
+    import torch
+
+    from pipeline.recipe.plan import ShardPlan
+
+    decoder = ShardPlan(spec, 1).rank_bytes(torch.float32)
+    memory = REFERENCE_FIXED_GB * GIB + REFERENCE_PER_BYTE * decoder
+    return Need(int(memory), {}, 0, f"the float reference (its decoder in fp32: {decoder / GIB:.1f} GiB)")
 
 
 def check(need: Need, settings: PreflightConfig) -> Resources:

@@ -1,8 +1,10 @@
-"""The host side of the recipe: embedding lookups, and the float model that prefills for host-prefill variants.
+"""The host side of the recipe: embedding lookups, and the model that prefills for host-prefill variants.
 
 The token and per-layer embedding tables never go to a rank (E4B's per-layer table alone is 5.6 GB in bf16); the
 host reads only the rows of the tokens it embeds. For ``prefill=host`` the prompt runs through the recipe's own
-float model on the host (one rank, fp32), and its KV caches seed the ranks: KV head ``r`` goes to rank ``r``.
+model on the host (one rank, at the variant's dtype, as a device-prefill build prefills on its ranks), and its KV
+caches seed the ranks: KV head ``r`` goes to rank ``r``. At the variant's dtype, not fp32: E4B's decoder is 18.9 GB
+in fp32, more than an inf2.xlarge's 16 GiB and, beside the two ranks, more than a 24 GiB machine; in bf16 it is 9.5 GB.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ class HostEmbeddings:
 
 
 class HostPrefill:
-    """The recipe's float model on the host (one rank, fp32): prefills a prompt and hands out its KV caches."""
+    """The recipe's model on the host (one rank, at ``dtype``: the variant's): prefills a prompt and hands out its KV
+    caches."""
 
-    def __init__(self, checkpoint: Checkpoint, spec: ModelSpec, kv_max: int):
+    def __init__(self, checkpoint: Checkpoint, spec: ModelSpec, kv_max: int, dtype: torch.dtype):
         plan = ShardPlan(spec, 1)
-        state = load_rank_state(checkpoint, plan, 0, torch.float32)
-        self.model: StatefulRank = build_rank(spec, plan, Parallel(1), kv_max, torch.float32, state)
+        state = load_rank_state(checkpoint, plan, 0, dtype)
+        self.model: StatefulRank = build_rank(spec, plan, Parallel(1), kv_max, dtype, state)
         self.embed = HostEmbeddings(checkpoint, spec)
         self.spec = spec
 

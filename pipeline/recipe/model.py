@@ -251,7 +251,7 @@ class RankDecoder(nn.Module):
 
 
 class StatefulRank(nn.Module):
-    """A rank whose caches are updated in place: what the cpu backend traces and the host-side float model runs.
+    """A rank whose caches are updated in place: what the cpu backend traces and the host-side prefill model runs.
 
     ``prefill`` and ``decode`` are the same computation over ``bucket`` tokens and one token; tracing both entry
     points of this one module makes them share weights and caches.

@@ -1,4 +1,4 @@
-"""The parallel primitives of the cpu backend (and of the host-side float model, with one rank).
+"""The parallel primitives of the cpu backend (and of the host-side prefill model, with one rank).
 
 The recipe builds its linear layers through a ``Parallel`` factory; only these primitives differ between backends
 (the neuron backend hands out neuronx-distributed's ``ColumnParallelLinear`` / ``RowParallelLinear`` instead).

@@ -89,6 +89,12 @@ class ShardPlan:
         return sum(math.prod(self.rank_shape(name)) * tensor_dtype(name, dtype).itemsize
                    for name in self.rank_tensor_names())
 
+    def largest_tensor_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the largest tensor one rank holds at ``dtype`` (E4B at tp_degree 2: its head shard, 0.67 GB in
+        bf16): what rewriting a rank file record by record holds at once (pipeline/backends/torchscript.py)."""
+        return max(math.prod(self.rank_shape(name)) * tensor_dtype(name, dtype).itemsize
+                   for name in self.rank_tensor_names())
+
     def rank_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of rank ``rank``'s part of ``name``, or None when replicated."""
         dim = self.split(name)

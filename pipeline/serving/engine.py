@@ -6,8 +6,8 @@ host's embedding lookups), then decodes a warm-up token so that the first reques
 run. The host keeps only what it computes: the token and per-layer embedding tables stay in their safetensors files,
 memory-mapped, and only the rows of the tokens it embeds are read (``recipe/host.HostEmbeddings``); no decoder layer
 and no float copy of a table is on the host. A host-prefill build
-is the exception: the prompt runs through the float model on the host (``HostPrefill``), which holds every decoder
-layer in fp32; ``host_bytes`` says how much, and ``serve`` logs it.
+is the exception: the prompt runs through the prefill model on the host (``HostPrefill``), which holds every decoder
+layer at the build's dtype; ``host_bytes`` says how much, and ``serve`` logs it.
 
 Requests arrive as token ids (``chat_ids`` and ``text_ids`` make them) and leave as a stream of ``Piece``s: the text
 each token adds, found by decoding everything generated so far (a token may end in the middle of a character), held
@@ -173,8 +173,8 @@ class Engine:
         self.host_bytes = {"embedding_tables_mapped": sum(ckpt.stored_bytes(name, spec) for name in EMBEDDING_TABLES)}
         host = None
         if self.shape.prefill == "host":
-            host = HostPrefill(ckpt, spec, self.shape.kv_max)
-            self.host_bytes["host_prefill_float_model"] = sum(
+            host = HostPrefill(ckpt, spec, self.shape.kv_max, self.shape.torch_dtype)
+            self.host_bytes["host_prefill_model"] = sum(
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
         runner = GuardedRunner(self._stack.enter_context(get_backend(self.manifest.backend).load(self.build,
                                                                                                   self.shape)))

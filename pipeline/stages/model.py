@@ -12,7 +12,6 @@ file, and the fingerprint the downstream stages build on.
 from __future__ import annotations
 
 import fnmatch
-import os
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import FileDigest, ModelRecord
 from pipeline.core.errors import CheckpointError, PipelineError, StaleInputError
-from pipeline.core.fsutil import sha256_file, staged_dir
+from pipeline.core.fsutil import link_or_copy, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.records import code_digest, encode, fingerprint
 from pipeline.paths import Paths
@@ -53,10 +52,7 @@ def _link_or_copy(src_dir: Path, dst_dir: Path, patterns: list[str]) -> None:
     if not any(p.suffix == ".safetensors" for p in files):
         raise CheckpointError(f"model.path={src_dir} holds no *.safetensors file: point it at a checkpoint directory")
     for src in files:
-        try:
-            os.link(src, dst_dir / src.name)
-        except OSError:
-            shutil.copy2(src, dst_dir / src.name)
+        link_or_copy(src, dst_dir / src.name)
 
 
 def download(hub_id: str, revision: str, patterns: list[str], into: Path) -> None:

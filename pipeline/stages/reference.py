@@ -21,6 +21,8 @@ from pipeline.core.errors import StaleInputError
 from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from pipeline.core.log import log, progress
 from pipeline.core.records import fingerprint, is_fresh, require_record
+from pipeline.host import preflight
+from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
 from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import model as model_stage
@@ -37,15 +39,67 @@ def load_tokenizer(weights):
     return AutoTokenizer.from_pretrained(weights)
 
 
+def stored_dtype(weights) -> torch.dtype:
+    """The dtype every floating tensor of the checkpoint is stored in (fp32 when they differ)."""
+    from safetensors import safe_open
+
+    found = set()
+    for path in sorted(weights.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            found |= {f.get_slice(key).get_dtype() for key in f.keys()}
+    floating = found & {"BF16", "F16", "F32", "F64"}
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(floating.pop(), torch.float32) \
+        if len(floating) == 1 else torch.float32
+
+
 def load_float_model(weights):
-    """transformers' own Gemma-4 in fp32 with eager attention: the text model, or the multimodal one."""
+    """transformers' own Gemma-4 computing in fp32 with eager attention: the text model, or the multimodal one.
+
+    The same numbers as ``from_pretrained(dtype=float32)``, in less memory: the model is loaded at the checkpoint's
+    stored dtype (transformers maps the files, nothing is read yet), then every tensor of the text decoder becomes
+    fp32 (an exact conversion from bf16) except the per-layer embedding table, which stays mapped in its file and
+    whose lookups are converted instead (the same values). E4B in fp32 is about 30 GB, 11.3 GB of it that table (and
+    the vision and audio towers, which a text prompt never runs): this way it holds 18.9 GB, and fits a 24 GiB host.
+    """
     import json
+    import types
 
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     config = json.loads((weights / "config.json").read_text())
     cls = Gemma4ForConditionalGeneration if config.get("model_type") == "gemma4" else Gemma4ForCausalLM
-    return cls.from_pretrained(weights, dtype=torch.float32, attn_implementation="eager").eval()
+    model = cls.from_pretrained(weights, dtype=stored_dtype(weights), attn_implementation="eager").eval()
+    text = getattr(model.model, "language_model", model.model)
+    table = getattr(text, "embed_tokens_per_layer", None)
+    for module in [*text.modules(), model.lm_head]:
+        if module is table:
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()  # a tied head shares the token table's parameter: once for both
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != torch.float32:
+                module._buffers[name] = buf.float()
+        if hasattr(module, "scalar_embed_scale"):
+            # Computed at construction, at the loading dtype: bf16 rounds sqrt(2560) to 50.5. As an fp32 model has it.
+            module.embed_scale = torch.tensor(float(module.scalar_embed_scale))
+    if table is not None and table.weight.dtype != torch.float32:
+        table.embed_scale = torch.tensor(float(table.scalar_embed_scale))
+
+        def lookup(self, input_ids):  # fp32 rows of the mapped table, scaled in fp32: as the fp32 model computes
+            return torch.nn.functional.embedding(input_ids, self.weight, self.padding_idx).float() * self.embed_scale
+
+        table.forward = types.MethodType(lookup, table)
+    return model
+
+
+def as_bf16(model):
+    """transformers' own bf16 model of the same weights: ``load_float_model``'s lookup undone, every tensor cast."""
+    text = getattr(model.model, "language_model", model.model)
+    table = getattr(text, "embed_tokens_per_layer", None)
+    if table is not None:
+        table.__dict__.pop("forward", None)  # the class's own forward again
+    return model.to(torch.bfloat16)
 
 
 def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts: list[dict]) -> str:
@@ -95,6 +149,9 @@ def run(cfg: PipelineConfig) -> StageResult:
         return StageResult("reference", StageStatus.skipped)
     started = time.monotonic()
     spec = load_spec(paths.weights)
+    need = preflight.reference_need(spec)
+    host = preflight.check(need, cfg.preflight)  # before a byte of the model is read
+    log.info("reference: preflight passed (%s)", host.summary())
     model = load_float_model(paths.weights)
     tensors, entries = {}, []
     for i, prompt in enumerate(progress(prompts, desc="reference")):
@@ -108,7 +165,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         entries.append({**prompt, "output_ids": ids, "stopped_on_eos": bool(ids and ids[-1] in spec.eos_token_ids)})
         log.info("reference: %-10s %4d prompt tokens -> %d new tokens", prompt["name"], len(prompt["input_ids"]),
                  len(ids))
-    model.to(torch.bfloat16)  # the same weights rounded: the dtype noise bf16 builds are judged against
+    model = as_bf16(model)  # the same weights rounded: the dtype noise bf16 builds are judged against
     for i, entry in enumerate(entries):
         noise = dtype_noise(model, entry["input_ids"], entry["output_ids"], logits_of(tensors, i))
         entry["dtype_noise"] = {"bf16": noise}
@@ -123,6 +180,8 @@ def run(cfg: PipelineConfig) -> StageResult:
         "versions": {"torch": package_version("torch"), "transformers": package_version("transformers"),
                      "pipeline": __version__},
         "eos_token_ids": list(spec.eos_token_ids),
+        # what the estimate can be derived from again: the need beside this process's measured peak
+        "preflight": {"need": need.record(), "host": host.record(), "measured": {"peak_rss_bytes": peak_rss_bytes()}},
     })
     return StageResult("reference", StageStatus.ran, time.monotonic() - started)
 

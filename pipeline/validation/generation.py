@@ -2,7 +2,7 @@
 
 Device prefill runs the prompt through the ``prefill`` graph bucket by bucket (the last bucket padded, padding
 positions continue the sequence so they are never attended to), then decodes one token per ``decode`` call. Host
-prefill runs the prompt through the host's float model, seeds each rank with its KV heads, then decodes on the ranks.
+prefill runs the prompt through the host's prefill model, seeds each rank with its KV heads, then decodes on the ranks.
 Teacher forcing (``forced``) feeds a given continuation instead of the build's own choices, recording what the build
 would have picked at each step.
 """
@@ -78,7 +78,7 @@ returned logits; more threads contend with the ranks (the cpu backend's processe
 
 
 def host_prefill_threads() -> int:
-    """torch's threads for host prefill: every CPU this process may use. The host's float model runs the whole prompt
+    """torch's threads for host prefill: every CPU this process may use. The host's prefill model runs the whole prompt
     through every layer in fp32; the seed recipe measured 6.3 s on 1 thread and 1.4 s on 32 for a 16-token prompt of
     E4B (optb_server_tp.py, which sets ``torch.set_num_threads(os.cpu_count())``)."""
     return usable_cpus()
@@ -107,7 +107,7 @@ class Generator:
         self.eos_ids = set(eos_ids)
         self.pad_id = pad_id
         if self.shape.prefill == "host" and host_prefill is None:
-            raise ValueError("a prefill=host build needs the host's float model (HostPrefill)")
+            raise ValueError("a prefill=host build needs the host's prefill model (HostPrefill)")
         self.host_prefill = host_prefill
         self.prefill_threads = prefill_threads or host_prefill_threads()
 

@@ -297,7 +297,7 @@ def run_job(job: ValidationJob) -> Measured:
         unpacked = time.monotonic()
         spec = load_spec(job.weights)
         with Checkpoint(job.weights, job.text_prefix, job.head_key) as ckpt:
-            host = HostPrefill(ckpt, spec, shape.kv_max) if shape.prefill == "host" else None
+            host = HostPrefill(ckpt, spec, shape.kv_max, shape.torch_dtype) if shape.prefill == "host" else None
             with get_backend(manifest.backend).load(ranks, shape) as runner:
                 loaded = time.monotonic()
                 log.info("validate: archive verified and unpacked in %.1f s, ranks loaded in %.1f s",
