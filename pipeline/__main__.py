@@ -185,11 +185,25 @@ def expanded(args: list[str]) -> list[str]:
 
     out = []
     for arg in args:
+        if arg.startswith("variant="):  # Hydra: "Could not override 'variant'. No match in the defaults list"
+            refused([f"{arg}: a variant is added to the configuration, not overridden: write +{arg}"])
         try:
             out += expand_derived(arg) or [arg]
         except ConfigError as exc:
             refused(exc.problems)
-    return out
+    return for_every_variant(out)
+
+
+def for_every_variant(args: list[str]) -> list[str]:
+    """In a multirun over ``+variant=...``, a fixed ``variant.KEY=VALUE`` applies to every variant swept: Hydra first
+    composes the config without the swept group (its sweeper's config), where ``variant.KEY`` has nowhere to go
+    ("Could not override 'variant.kv_max'"), so it is passed as ``++variant.KEY=VALUE`` (add or override), which each
+    job's config then applies over its variant's file."""
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    sweeps_variant = any(a.startswith("+variant=") for a in args)
+    if not (multirun and sweeps_variant):
+        return args
+    return ["+" + a if a.startswith("+variant.") else "++" + a if a.startswith("variant.") else a for a in args]
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C

@@ -33,10 +33,17 @@ def load_config(raw, variant_choice: str | None = None):
     if typed.stage not in ("all", *ORDER):
         found.append(f"stage={typed.stage!r} is not one of {['all', *ORDER]}")
     if typed.variant is not None and variant_choice and typed.variant.name != variant_choice:
-        found.append(f"conf/variant/{variant_choice}.yaml sets name={typed.variant.name!r}: "
-                     "a variant's name must equal its file name")
+        if file_variant_name(variant_choice) == variant_choice:  # the file is right: an override set it
+            found.append(f"variant.name={typed.variant.name!r}: a variant's name is its file's ({variant_choice}); "
+                         f"drop the override, or copy conf/variant/{variant_choice}.yaml to "
+                         f"conf/variant/{typed.variant.name}.yaml and build +variant={typed.variant.name}")
+        else:
+            found.append(f"conf/variant/{variant_choice}.yaml sets name={typed.variant.name!r}: "
+                         "a variant's name must equal its file name")
     if found:
         raise ConfigError(found)
+    if typed.variant is not None:
+        check_model_fit(typed)  # before the derived name is announced: a variant the model cannot hold is no build
     if typed.variant is not None and variant_choice:
         derived = derived_name(typed.variant, variant_choice)
         if derived != typed.variant.name:
@@ -44,6 +51,16 @@ def load_config(raw, variant_choice: str | None = None):
                         variant_choice, ", ".join(changed_fields(typed.variant, variant_choice)), derived)
             typed.variant.name = derived
     return typed
+
+
+def file_variant_name(choice: str) -> str | None:
+    """The ``name`` conf/variant/<choice>.yaml itself sets (None when it cannot be read)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((CONF_DIR / "variant" / f"{choice}.yaml").read_text()).get("name")
+    except (OSError, AttributeError, yaml.YAMLError):
+        return None
 
 
 # A variant field an override changed, and how the derived name spells its new value: kv_max 1024 -> "kv1024".
@@ -188,17 +205,25 @@ def check_backend(cfg, validates: bool) -> None:
 
 
 def check_model_fit(cfg) -> None:
-    """A variant the model cannot hold (a cache longer than its positions), refused before any stage when the
-    checkpoint is already here (the trace stage asks again once the model stage has fetched it)."""
+    """A variant the model cannot hold (a cache longer than its positions), refused as soon as the model's config is
+    known: before any stage for the embedded tiny model (its config is made here) or a checkpoint already fetched,
+    else right after the model stage fetched it, before the reference (the trace stage asks again)."""
+    from pipeline.config import ModelSource
     from pipeline.core.errors import ConfigError
+    from pipeline.models.tiny_model import hf_text_config
     from pipeline.paths import Paths
-    from pipeline.recipe.spec import load_spec
+    from pipeline.recipe.spec import load_spec, spec_from_config
 
     weights = Paths.of(cfg).weights
     if (weights / "config.json").is_file():
-        problem = load_spec(weights).positions_problem(cfg.variant.kv_max)
-        if problem:
-            raise ConfigError(problem)
+        spec = load_spec(weights)
+    elif cfg.model.source == ModelSource.tiny and cfg.model.path is None:
+        spec = spec_from_config(hf_text_config(cfg.model.tiny))
+    else:
+        return
+    problem = spec.positions_problem(cfg.variant.kv_max)
+    if problem:
+        raise ConfigError(problem)
 
 
 def dvc_default_remote(root: str | None) -> str | None:
@@ -252,6 +277,8 @@ def run_pipeline(cfg) -> list[StageResult]:
         # another run of itself, then skips by fingerprint.
         with held(cfg.root, BY_NAME[name].lock_name(cfg.model.name, cfg.variant.name if cfg.variant else None)):
             result = module(name).run(cfg)
+        if name == "model" and cfg.variant is not None and {"trace", "validate"} & set(stages):
+            check_model_fit(cfg)  # the checkpoint is here now: before the reference's minutes
         result.seconds = time.monotonic() - began
         log.info("stage %s: %s in %.1f s", name, result.status, result.seconds)
         results.append(result)

@@ -38,6 +38,10 @@ def existing_artifacts(tmp_path) -> Path:
     (["+variant=512_bf16", "variant.kv_max=lots"], "variant.kv_max: Value 'lots' of type 'str' could not be converted"),
     (["+variant=512_bf16", "variant.dtype=int8"], "variant.dtype='int8' is not one of ['bf16', 'fp32']"),
     (["+variant=512_bf16", "variant.tp_degree=0"], "variant.tp_degree=0 must be at least 1"),
+    # refused before any stage (it ran the toolchain, model and reference stages first, a minute on the tiny model)
+    (["+variant=512_bf16", "variant.kv_max=99968"], "variant.kv_max=99968 is beyond the model's 4096 positions"),
+    # the override is named, not the file (which does not set it)
+    (["+variant=512_bf16", "variant.name=mybuild"], "variant.name='mybuild': a variant's name is its file's"),
 ])
 def test_bad_input_is_refused_before_any_work(existing_artifacts, args, expected):
     before = snapshot(existing_artifacts)
@@ -169,3 +173,45 @@ def test_overrides_of_real_keys_pass_the_misspelling_check():
         "+validate.throughput.floors.neuron.trn1_2xlarge.tokens_per_s=20", "backend.compiler_args.bf16=[-O1]",
         "validate.prompts.0.max_tokens=30", "~preflight.make_swap", "model.tiny.hidden_size=64", "stage=trace",
     ]) == []
+
+
+@pytest.mark.parametrize("command", ["versions", "pull"])
+def test_a_source_that_is_no_folder_nor_repo_id_is_named_as_such(tmp_path, command):
+    """A path that does not exist went to the Hub, whose refusal ("HFValidationError: Repo id must use alphanumeric
+    chars") named neither the folder nor the mistake."""
+    missing = tmp_path / "published"
+    proc = cli(command, str(missing), *(["512_bf16"] if command == "pull" else []))
+    assert proc.returncode == 1, proc.stderr
+    assert f"{str(missing)!r} is neither a local publish folder (no such folder) nor a Hugging Face repo id" \
+        in proc.stderr and "HFValidationError" not in proc.stderr
+
+
+def test_backend_auto_says_its_choice_once(tmp_path):
+    proc = cli("+variant=512_fp32", f"artifacts_dir={tmp_path}", "stage=trace")  # refused later: no toolchain record
+    assert (proc.stdout + proc.stderr).count("backend=auto chose") == 1
+
+
+@pytest.mark.parametrize(("sweep", "fixed", "built"), [
+    ("+variant=512_bf16,512_fp32", "variant.kv_max=1024", ["512_bf16+kv1024", "512_fp32+kv1024"]),
+    ("+variant=glob(512_*)", "variant.dtype=fp32", ["512_bf16+fp32", "512_bf16_host+fp32", "512_fp32"]),
+])
+def test_a_fixed_override_applies_to_every_variant_of_a_multirun(tmp_path, sweep, fixed, built):
+    """Hydra refused it ("Could not override 'variant.kv_max'... use +variant.kv_max"): its sweeper composes the
+    config without the swept group first."""
+    proc = cli("--multirun", sweep, fixed, "stage=toolchain", f"artifacts_dir={tmp_path}")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-2000:]
+    assert f"multirun: {len(built)} variant(s), {len(built)} succeeded, 0 failed" in said
+    assert all(re.search(rf"^\s+{re.escape(name)}\s+ok", said, re.M) for name in built), said[-2000:]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--multirun", "variant=512_bf16,512_fp32"], "a variant is added to the configuration, not overridden: "
+                                                  "write +variant=512_bf16,512_fp32"),
+    (["variant=512_bf16"], "write +variant=512_bf16"),
+    (["--multirun", "+variant=512_bf16,512_fp32", "variant.kv_mx=1024"], "did you mean 'variant.kv_max'?"),
+])
+def test_a_missing_plus_or_a_typo_in_a_multirun_is_a_usage_error(tmp_path, args, said):
+    proc = cli(*args, "stage=toolchain", f"artifacts_dir={tmp_path}")
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+    assert "HYDRA_FULL_ERROR" not in proc.stderr

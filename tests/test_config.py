@@ -60,7 +60,8 @@ def test_params_yaml_lists_only_existing_variants():
     assert set(params["variants"]) <= set(available_variants(CONF))
     assert {"256_bf16_host", "512_bf16_host", "2048_bf16_host", "512_bf16", "512_fp32", "2048_bf16",
             "2048_fp32"} <= set(params["variants"])
-    assert set(params) == {"model", "backend", "publish", "hardware", "variants"}  # group choices dvc.yaml passes
+    assert set(params) == {"model", "backend", "publish", "hardware", "variants", "sweep"}  # what dvc.yaml reads
+    assert params["sweep"] == []  # a sweep is an experiment's: dvc exp run -S 'sweep=[...]'
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -126,7 +127,13 @@ def test_an_added_unknown_key_is_named_with_the_nearest_real_key(override, messa
     assert err.value.problems == [message]
 
 
-def test_a_variant_whose_name_differs_from_its_file_is_refused():
+def test_a_variant_whose_name_differs_from_its_file_is_refused(monkeypatch):
+    import pipeline.run
+
+    # an override names itself, not the file (which does not set it)
+    with pytest.raises(ConfigError, match=r"variant.name='other': a variant's name is its file's \(512_bf16\)"):
+        load_config(composed(["+variant=512_bf16", "variant.name=other"]), "512_bf16")
+    monkeypatch.setattr(pipeline.run, "file_variant_name", lambda choice: "other")  # a file that sets another name
     with pytest.raises(ConfigError, match=r"conf/variant/512_bf16.yaml sets name='other'"):
         load_config(composed(["+variant=512_bf16", "variant.name=other"]), "512_bf16")
 

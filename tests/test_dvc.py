@@ -74,7 +74,12 @@ def test_dvc_yaml_has_exactly_the_registrys_stages_and_the_code_each_fingerprint
     from pipeline.stages import BY_NAME, CODE, ORDER
 
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    sweeps = {name: stage for name, stage in stages.items() if name.startswith("sweep_")}
+    stages = {name: stage for name, stage in stages.items() if name not in sweeps}
     assert list(stages) == list(ORDER)
+    # the sweep's stages are the per-variant stages over params.yaml's sweep list, the same definitions
+    assert {name.removeprefix("sweep_"): stage for name, stage in sweeps.items()} == {
+        name: {**stages[name], "foreach": "${sweep}"} for name in ORDER if not BY_NAME[name].shared}
     for name, stage in stages.items():
         assert ("foreach" in stage) == (not BY_NAME[name].shared), f"dvc.yaml's {name}: per variant or not"
         deps = (stage.get("do") or stage)["deps"]
@@ -311,17 +316,24 @@ def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing
 
 @pytest.mark.slow
 def test_a_knob_sweep_the_dvc_way(tmp_path):
-    """`dvc exp run -S 'variants=[...]'` with a derived name builds that variant's other field values under their own
-    name (params.yaml, pipeline/run.py expand_derived), and `dvc exp show` lists the experiment with its metrics."""
+    """`dvc exp run -S 'sweep=[...]'` with a derived name builds that variant's other field values under their own
+    name beside the named variants (params.yaml's sweep, dvc.yaml's sweep_* stages, pipeline/run.py expand_derived),
+    neither rebuilding nor removing the named builds (`-S 'variants=[...]'` emptied every named variant's folder when
+    the experiment was applied), and `dvc exp show` lists the experiment with its metrics."""
     repo = checkout_copy(tmp_path / "repo", ["512_fp32"], quicker_validation)
-    out = dvc(repo, "exp", "run", "-S", "variants=[512_fp32+kv256]", "-n", "kv256")
-    assert "trace@512_fp32+kv256" in ran(out)
-    assert not (repo / "artifacts" / "gemma4_tiny" / "512_fp32").exists()
+    dvc(repo, "repro")
+    named = repo / "artifacts" / "gemma4_tiny" / "512_fp32"
+    before = {p.name: sha256_file(p) for p in (named / "build").iterdir()}
+    out = dvc(repo, "exp", "run", "-S", "sweep=[512_fp32+kv256]", "-n", "kv256")
+    assert {s for s in ran(out) if "@" in s} == {f"sweep_{stage}@512_fp32+kv256"
+                                                 for stage in ("trace", "package", "validate", "publish")}
+    assert {p.name: sha256_file(p) for p in (named / "build").iterdir()} == before  # still there, untouched
+    assert (named / "dist" / "manifest.json").is_file() and (named / "metrics.json").is_file()
     shown = json.loads(dvc(repo, "exp", "show", "--json"))
     runs = [e for row in shown for e in (row.get("experiments") or []) for e in (e.get("revs") or [])]
-    named = next(r for r in runs if r.get("name") == "kv256")
-    metrics = named["data"]["metrics"]["artifacts/gemma4_tiny/512_fp32+kv256/metrics.json"]["data"]
+    swept = next(r for r in runs if r.get("name") == "kv256")
+    metrics = swept["data"]["metrics"]["artifacts/gemma4_tiny/512_fp32+kv256/metrics.json"]["data"]
     assert metrics["parity"]["passed"] is True
-    assert named["data"]["params"]["params.yaml"]["data"]["variants"] == ["512_fp32+kv256"]
+    assert swept["data"]["params"]["params.yaml"]["data"]["sweep"] == ["512_fp32+kv256"]
     manifest = json.loads((repo / "artifacts/gemma4_tiny/512_fp32+kv256/dist/manifest.json").read_text())
     assert manifest["variant"]["kv_max"] == 256 and manifest["version"].startswith("512_fp32+kv256-")

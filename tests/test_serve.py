@@ -199,8 +199,21 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
      "tools", "unknown field 'tools'"),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
      "model 'other' is not served here"),
-    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
-     "n", "one choice per request"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400,
+     "n", "less than or equal to 16"),
+    # What the server takes by name but cannot honour: one sentence naming the field and the alternative.
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "echo": True}, 400, "echo", "echo is not supported"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "best_of": 3}, 400, "best_of",
+     "ask for n choices with logprobs instead"),
+    ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format",
+     "'json_object' is not supported"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"x": 5}}, 400, "logit_bias",
+     "'x' is not a token id"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"3": 101}}, 400, "logit_bias",
+     "between -100 and 100"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids",
+     "not token ids of this model"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
                               "temperature": 2.5}, 400, "temperature", "less than or equal to 2"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
@@ -212,7 +225,7 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
      400, "messages", "this build's cache holds 512"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "robot", "content": "hi"}]}, 400,
      "messages.0.role", "messages.0.role"),
-    ("/v1/completions", {"model": "VERSION", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ("/v1/completions", {"model": "VERSION", "prompt": ["a"] * 17}, 400, "prompt", "at most 16 per request"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "greater than"),
     ("/generate", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
     # A boolean is no number (it was taken as one token), a string or a float no integer.
@@ -391,7 +404,7 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
     held, release, outcome = threading.Event(), threading.Event(), {}
 
     class Engine:
-        version, max_prompt_chars = "v", 10_000
+        version, max_prompt_chars, vocab_size = "v", 10_000, 512
         manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
         shape = type("S", (), {"kv_max": 512})()
 
@@ -437,7 +450,7 @@ def test_a_requests_own_failure_is_its_answer_and_only_the_ranks_failing_stops_t
     from pipeline.serving.engine import Finish, Piece, RanksFailed
 
     class Engine:
-        version, max_prompt_chars = "v", 10_000
+        version, max_prompt_chars, vocab_size = "v", 10_000, 512
         manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
         shape = type("S", (), {"kv_max": 512})()
         failures: list[BaseException] = []
@@ -448,7 +461,7 @@ def test_a_requests_own_failure_is_its_answer_and_only_the_ranks_failing_stops_t
         def room(self, n):
             return 512 - n
 
-        def decode(self, ids, max_tokens, stops, cancel, sampler=None):
+        def decode(self, ids, max_tokens, stops, cancel, sampler=None, stop_ids=()):
             if self.failures:
                 raise self.failures.pop(0)
             yield Piece(7, "x", 0.01)
@@ -536,6 +549,62 @@ def test_penalties_lower_what_was_generated():
     assert kept.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0])
     seeded = [Sampler(SamplingParams(temperature=1.0, seed=11)).choose(torch.zeros(50)) for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_n_choices_and_a_list_of_prompts_are_decoded_one_after_another(server, client):
+    asked = {"model": server.version, "max_tokens": 8, "temperature": 1.5}
+    one = client.completions.create(prompt="The capital of France is", seed=7, **asked)
+    two = client.completions.create(prompt="The capital of France is", seed=7, n=2, **asked)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text  # choice j samples with seed + j: reproducible, and distinct
+    assert two.choices[1].text == client.completions.create(prompt="The capital of France is", seed=8,
+                                                            **asked).choices[0].text
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    prompts = ["The capital of France is", "A lighthouse keeper"]
+    both = client.completions.create(model=server.version, prompt=prompts, max_tokens=6)
+    alone = [client.completions.create(model=server.version, prompt=p, max_tokens=6) for p in prompts]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=server.version, messages=[{"role": "user", "content": QUESTION}],
+                                                max_tokens=6, temperature=1.5, seed=3, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    whole = client.chat.completions.create(model=server.version, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=6, temperature=1.5, seed=3, n=2)
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+
+
+def test_vllms_sampling_fields_through_the_openai_client(server, client):
+    asked = {"model": server.version, "prompt": "The capital of France is", "max_tokens": 6}
+    greedy = client.completions.create(**asked).choices[0].text
+    # top_k 1 and min_p 1 leave only the most likely token: the greedy text at any temperature
+    assert client.completions.create(**asked, temperature=1.5, seed=4, extra_body={"top_k": 1}).choices[0].text \
+        == greedy
+    assert client.completions.create(**asked, temperature=1.5, seed=4, extra_body={"min_p": 1.0}).choices[0].text \
+        == greedy
+    forced = client.completions.create(**asked, logit_bias={"300": 100}, logprobs=0)
+    assert set(forced.choices[0].logprobs.tokens) == {forced.choices[0].logprobs.tokens[0]}  # token 300, always
+    stopped = client.completions.create(**asked, logit_bias={"300": 100}, extra_body={"stop_token_ids": [300]})
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    repeated = client.completions.create(**asked, extra_body={"repetition_penalty": 1.3})
+    assert repeated.choices[0].finish_reason in ("length", "stop")
+
+
+def test_top_k_min_p_repetition_and_logit_bias_on_the_logits():
+    """The host-side choice (pipeline/serving/sampling.py), in vLLM's order."""
+    from pipeline.serving.sampling import Sampler, SamplingParams, min_p, top_k
+
+    assert top_k(torch.tensor([0.1, 0.5, 0.3, 0.1]), 2).tolist() == pytest.approx([0, 0.625, 0.375, 0])
+    assert min_p(torch.tensor([0.1, 0.5, 0.3, 0.1]), 0.5).tolist() == pytest.approx([0, 0.625, 0.375, 0])
+    logits = torch.tensor([0.0, 2.0, 1.9, -1.0])
+    biased = Sampler(SamplingParams(logit_bias=((3, 5.0),)))
+    assert biased.choose(logits) == 3
+    # repetition_penalty 2 halves a positive logit of a token in the prompt: 2.0 -> 1.0, below 1.9
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[1]).choose(logits) == 2
+    assert Sampler(SamplingParams(repetition_penalty=2.0)).choose(logits) == 1  # nothing seen yet
+    negative = Sampler(SamplingParams(repetition_penalty=2.0, logit_bias=((3, 2.5),)), prompt_ids=[3])
+    assert negative.choose(logits) == 1  # -1.0 + 2.5 = 1.5, halved (positive): 0.75
 
 
 def test_health_and_metrics(server):

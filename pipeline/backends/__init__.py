@@ -15,9 +15,15 @@ def resolve(name: str) -> str:
         return name
     devices = neuron_devices()
     chosen = "neuron" if devices and neuron_packages_present() else "cpu"
-    log.info("backend=auto chose %s (Neuron devices: %s; Neuron packages: %s)", chosen, devices or "none",
-             "present" if neuron_packages_present() else "absent")
+    said = (f"backend=auto chose {chosen} (Neuron devices: {devices or 'none'}; Neuron packages: "
+            f"{'present' if neuron_packages_present() else 'absent'})")
+    if said not in _SAID:  # asked once per stage and check: said once per process
+        _SAID.add(said)
+        log.info("%s", said)
     return chosen
+
+
+_SAID: set[str] = set()
 
 
 def get_backend(name: str):

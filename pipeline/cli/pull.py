@@ -30,6 +30,7 @@ import argparse
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -43,7 +44,7 @@ from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
 from pipeline.core.cache import CACHE_ENV, versions_dir
-from pipeline.core.errors import IntegrityError, PipelineError
+from pipeline.core.errors import InputError, IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_bytes, sha256_file
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.names import child, component, repo_path
@@ -145,9 +146,20 @@ def host_toolchain() -> dict:
     return collect("this host")
 
 
+# A Hugging Face repo id: "owner/name" (or a bare name), of the characters the Hub allows.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
 def source_for(spec: str):
+    """A local publish folder when ``spec`` is one; a Hub repository when it reads as a repo id; else the error says
+    which it is not (a path that does not exist was asked of the Hub, whose refusal named neither)."""
     path = Path(spec)
-    return LocalSource(path) if path.exists() else HubSource(spec)
+    if path.exists():
+        return LocalSource(path)
+    if REPO_ID.fullmatch(spec) and not spec.startswith((".", "~")):
+        return HubSource(spec)
+    raise InputError(f"{spec!r} is neither a local publish folder (no such folder) nor a Hugging Face repo id "
+                     "(owner/name): give the folder publish=local wrote (artifacts/published by default) or the repo")
 
 
 @dataclass(frozen=True)

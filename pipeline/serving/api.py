@@ -15,8 +15,11 @@ disconnects sets the request's cancel event, and the worker stops before its nex
 (SIGTERM) refuses new and waiting requests with 503 while the running one finishes.
 
 Decoding is greedy unless a request samples: ``temperature``, ``top_p``, ``seed``, the penalties and log-probabilities
-are applied on the host to each step's logits (pipeline/serving/sampling.py; the graphs are the same, validation stays
-greedy); ``n`` above 1 is refused naming the field.
+and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``logit_bias`` are applied on the host to each step's logits
+(pipeline/serving/sampling.py; the graphs are the same, validation stays greedy). ``n`` choices and a list of prompts
+are decoded one after another, each its own turn in the queue (the graphs are batch 1). What the server takes by name
+but cannot honour (``echo``, ``best_of`` above 1, ``suffix``, a non-text ``response_format``) is refused in one
+sentence naming the field and the alternative (docs/serving.md lists every field against vLLM's server).
 
 ``/metrics`` is Prometheus' text format: requests by route and status, time to first token and per-token latency
 histograms, tokens generated, and the queue's depth.
@@ -31,7 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -49,6 +52,8 @@ from pipeline.validation.generation import new_tokens_problem
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 64  # the generate command's default
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MAX_N = 16  # choices per request (decoded one after another: the graphs are batch 1)
+MAX_PROMPTS = 16  # prompts in one completions request (likewise)
 
 
 # -- request bodies -------------------------------------------------------------------------------------------------
@@ -63,31 +68,53 @@ BodyT = TypeVar("BodyT", bound=Body)
 
 
 class Sampling(Body):
-    """The sampling fields of OpenAI's requests (pipeline/serving/sampling.py says what each does)."""
+    """The sampling fields of OpenAI's requests, and vLLM's (pipeline/serving/sampling.py says what each does)."""
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
+    # vLLM's extra sampling fields (its OpenAI server takes them beside OpenAI's)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None
 
-    def sampling_problem(self) -> tuple[str, str] | None:
-        """``(field, message)`` for a field this server cannot honour."""
-        if self.n not in (None, 1):
-            return "n", f"n {self.n}: one choice per request (the graphs are batch 1); omit it or set it to 1"
-        return None
-
-    def sampling(self, top_logprobs: int | None) -> SamplingParams | None:
+    def sampling(self, top_logprobs: int | None, vocab_size: int) -> SamplingParams | None:
         """The request's sampling; None for plain greedy decoding (the build's own argmax, as validation ran it:
         a seed alone changes nothing, greedy text is the same for any seed)."""
         params = SamplingParams(temperature=self.temperature or 0.0,
                                 top_p=self.top_p if self.top_p is not None else 1.0, seed=self.seed,
                                 presence_penalty=self.presence_penalty or 0.0,
-                                frequency_penalty=self.frequency_penalty or 0.0, top_logprobs=top_logprobs)
-        plain = params.greedy and not params.presence_penalty and not params.frequency_penalty
+                                frequency_penalty=self.frequency_penalty or 0.0, top_logprobs=top_logprobs,
+                                top_k=max(0, self.top_k or 0), min_p=self.min_p or 0.0,
+                                repetition_penalty=self.repetition_penalty or 1.0,
+                                logit_bias=self.biases(vocab_size))
+        plain = params.greedy and not params.changes_logits
         return None if plain and top_logprobs is None else params
+
+    def biases(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias): OpenAI's keys are token ids as strings, its values -100 to 100."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise Refused(400, f"logit_bias key {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                              "logit_bias")
+            if not -100 <= bias <= 100:
+                raise Refused(400, f"logit_bias[{key!r}] is {bias}: a bias is between -100 and 100", "logit_bias")
+            out.append((int(key), float(bias)))
+        return tuple(sorted(out))
+
+    def stop_ids(self, vocab_size: int) -> tuple[int, ...]:
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise Refused(400, f"stop_token_ids {bad[:5]} are not token ids of this model (0 to {vocab_size - 1})",
+                          "stop_token_ids")
+        return tuple(self.stop_token_ids or ())
 
 
 class StreamOptions(Body):
@@ -116,6 +143,15 @@ class OpenAIRequest(Sampling):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict | None = None  # refused unless plain text: see unsupported()
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, sentence)`` for a field this server takes by name but cannot honour."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", (f"response_format {self.response_format.get('type')!r} is not supported: "
+                                       "this server decodes free text (no structured or JSON-constrained output); "
+                                       "omit it, or ask for JSON in the prompt")
+        return None
 
 
 OpenAIRequestT = TypeVar("OpenAIRequestT", bound=OpenAIRequest)
@@ -137,13 +173,24 @@ class ChatRequest(OpenAIRequest):
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] = Field(min_length=1)
     max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    echo: Literal[False] | None = None
+    echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
-    best_of: Literal[1] | None = None
-    suffix: None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
     def asked_logprobs(self) -> int | None:
         return self.logprobs
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", ("echo is not supported: the reply holds the completion only (the prompt is yours "
+                            "already); omit echo")
+        if self.best_of not in (None, 1):
+            return "best_of", (f"best_of {self.best_of} is not supported: choosing among drafts needs their "
+                               "log-probabilities summed server-side; ask for n choices with logprobs instead")
+        if self.suffix:
+            return "suffix", "suffix is not supported: Gemma-4 has no fill-in-the-middle format; omit it"
+        return super().unsupported()
 
 
 class GenerateRequest(Body):
@@ -396,7 +443,8 @@ class Service:
         return max_tokens if max_tokens is not None else self.engine.room(len(ids))
 
     async def start(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                    arrived: float, sampling: SamplingParams | None = None) -> Decoding:
+                    arrived: float, sampling: SamplingParams | None = None,
+                    stop_ids: tuple[int, ...] = ()) -> Decoding:
         """Wait for the turn, then start decoding in the worker thread. The turn is released when the worker is
         done, whether or not anyone reads its pieces (a client gone before its stream began included): the worker
         stops at its next token once the client disconnects."""
@@ -406,8 +454,8 @@ class Service:
 
         def produce() -> None:
             try:
-                sampler = Sampler(sampling) if sampling is not None else None
-                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel, sampler):
+                sampler = Sampler(sampling, ids) if sampling is not None else None
+                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel, sampler, stop_ids):
                     if isinstance(item, Piece):
                         self.metrics.tokens.inc()  # what the build decoded, read by the client or not
                     loop.call_soon_threadsafe(decoding.pieces.put_nowait, item)
@@ -439,8 +487,9 @@ class Service:
                       exc_info=exc)
 
     async def complete(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                       arrived: float, sampling: SamplingParams | None = None) -> Outcome:
-        decoding = await self.start(request, ids, max_tokens, stops, arrived, sampling)
+                       arrived: float, sampling: SamplingParams | None = None,
+                       stop_ids: tuple[int, ...] = ()) -> Outcome:
+        decoding = await self.start(request, ids, max_tokens, stops, arrived, sampling, stop_ids)
         text, reason, count, ttft, decode_s, logprobs = [], "length", 0, None, 0.0, []
         async for item in decoding.items():
             if isinstance(item, Piece):
@@ -506,10 +555,74 @@ def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def check_sampling(body: Sampling) -> None:
-    problem = body.sampling_problem()
+def check_supported(body: OpenAIRequest) -> None:
+    problem = body.unsupported()
     if problem:
         raise Refused(400, problem[1], problem[0])
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a reply: its index, its prompt's ids and token budget, its sampling. ``n`` choices and a list
+    of prompts are decoded one after another (the graphs are batch 1), choice ``prompt * n + j`` as OpenAI orders
+    them; with a seed, choice ``j`` samples with ``seed + j`` so that the choices differ and each is reproducible."""
+
+    index: int
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams | None
+
+
+def choices_of(prompts: list[tuple[list[int], int]], n: int, sampling: SamplingParams | None) -> list[Choice]:
+    def nth(j: int) -> SamplingParams | None:
+        if sampling is None or sampling.seed is None or j == 0:
+            return sampling
+        seed = sampling.seed + j
+        return replace(sampling, seed=seed if seed <= SEED_MAX else sampling.seed - j)
+
+    return [Choice(p * n + j, ids, max_tokens, nth(j)) for p, (ids, max_tokens) in enumerate(prompts)
+            for j in range(n)]
+
+
+async def complete_all(service: Service, request: Request, choices: list[Choice], stops: tuple[str, ...],
+                       arrived: float, stop_ids: tuple[int, ...]) -> list[Outcome]:
+    outs = []
+    for choice in choices:
+        outs.append(await service.complete(request, choice.ids, choice.max_tokens, stops, arrived, choice.sampling,
+                                           stop_ids))
+    return outs
+
+
+def prompt_tokens(choices: list[Choice]) -> int:
+    """Each prompt's tokens once, however many choices it has."""
+    return sum({id(c.ids): len(c.ids) for c in choices}.values())
+
+
+def usage_of(choices: list[Choice], outs: list[Outcome]) -> dict:
+    return usage(prompt_tokens(choices), sum(o.completion_tokens for o in outs))
+
+
+async def one_after_another(service: Service, request: Request, choices: list[Choice], first: Decoding,
+                            stops: tuple[str, ...], stop_ids: tuple[int, ...], events,
+                            usage_event) -> AsyncIterator[str]:
+    """A stream of every choice's events, one choice after another (``first`` already started, so that a refusal
+    of the request keeps its HTTP status), then the usage (``usage_event``, None: not asked) and [DONE]."""
+    completed = [0]
+    decoding = first
+    for k, choice in enumerate(choices):
+        if k:
+            try:
+                decoding = await service.start(request, choice.ids, choice.max_tokens, stops, time.perf_counter(),
+                                               choice.sampling, stop_ids)
+            except Refused as exc:
+                yield sse({"error": {"message": exc.message, "type": "server_error", "param": exc.param,
+                                     "code": exc.code}})
+                break
+        async for event in events(decoding, choice, completed):
+            yield event
+    if usage_event is not None:
+        yield usage_event(usage(prompt_tokens(choices), completed[0]))
+    yield sse("[DONE]")
 
 
 def usage(prompt: int, completion: int) -> dict:
@@ -601,7 +714,7 @@ async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRe
     service = service_of(request)
     body = await parse(request, kind, service.max_request_bytes, service.body_timeout_s)
     engine = service.require_ready(body.model)
-    check_sampling(body)
+    check_supported(body)
     return body, engine, stops_of(body.stop)
 
 
@@ -619,27 +732,39 @@ async def chat(request: Request):
     ids = await service.ids([m["content"] for m in messages], lambda: engine.chat_ids(messages), "messages")
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = service.prepare(ids, body.max_tokens or body.max_completion_tokens, "messages", max_field)
-    sampling = body.sampling(body.asked_logprobs())
+    sampling = body.sampling(body.asked_logprobs(), engine.vocab_size)
+    stop_ids = body.stop_ids(engine.vocab_size)
+    choices = choices_of([(ids, max_tokens)], body.n or 1, sampling)
     reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "created": created, "model": engine.version}
     if not body.stream:
-        out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
+        outs = await complete_all(service, request, choices, stops, arrived, stop_ids)
         return {**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(engine, out.logprobs, sampling), "finish_reason": out.finish_reason}],
-            "usage": usage(out.prompt_tokens, out.completion_tokens)}
-    decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
-    return streaming(chat_events(decoding, head, engine, sampling, len(ids), include_usage(body)))
+            "index": c.index, "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(engine, out.logprobs, c.sampling), "finish_reason": out.finish_reason}
+            for c, out in zip(choices, outs, strict=True)], "usage": usage_of(choices, outs)}
+    first = choices[0]  # started here: a refusal keeps its status
+    decoding = await service.start(request, first.ids, first.max_tokens, stops, arrived, first.sampling, stop_ids)
+
+    def events(decoding: Decoding, choice: Choice, completed: list[int]) -> AsyncIterator[str]:
+        return chat_events(decoding, head, engine, choice, completed)
+
+    def usage_event(figures: dict) -> str:
+        return sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": figures})
+
+    return streaming(one_after_another(service, request, choices, decoding, stops, stop_ids, events,
+                                       usage_event if include_usage(body) else None))
 
 
-async def chat_events(decoding: Decoding, head: dict, engine: Engine, sampling: SamplingParams | None,
-                      prompt_tokens: int, with_usage: bool) -> AsyncIterator[str]:
-    """A chat stream: the assistant's role, one event per token, the finish (and the usage, if asked), [DONE]."""
+async def chat_events(decoding: Decoding, head: dict, engine: Engine, choice: Choice,
+                      completed: list[int]) -> AsyncIterator[str]:
+    """One choice of a chat stream: the assistant's role, one event per token, the finish."""
 
     def chunk(delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
-        logprobs = chat_logprobs(engine, [logprob], sampling) if logprob else None
+        logprobs = chat_logprobs(engine, [logprob], choice.sampling) if logprob else None
         return sse({**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                    "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish}]})
 
     yield chunk({"role": "assistant", "content": ""}, None)
     async for item in stream_items(decoding):
@@ -651,47 +776,56 @@ async def chat_events(decoding: Decoding, head: dict, engine: Engine, sampling: 
             if item.text:
                 yield chunk({"content": item.text}, None)
             yield chunk({}, item.reason)
-            if with_usage:
-                yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                           "usage": usage(prompt_tokens, item.completion_tokens)})
-    yield sse("[DONE]")
+            completed[0] += item.completion_tokens
 
 
 async def completions(request: Request):
     arrived = time.perf_counter()
     service = service_of(request)
     body, engine, stops = await accept(request, CompletionRequest)
-    if isinstance(body.prompt, list):
-        if len(body.prompt) != 1:
-            raise Refused(400, f"{len(body.prompt)} prompts: one prompt per request (the graphs are batch 1)",
-                          "prompt")
-        prompt = body.prompt[0]
-    else:
-        prompt = body.prompt
-    ids = await service.ids([prompt], lambda: engine.text_ids(prompt), "prompt")
-    max_tokens = service.prepare(ids, body.max_tokens, "prompt")
-    sampling = body.sampling(body.asked_logprobs())
+    texts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    if len(texts) > MAX_PROMPTS:
+        raise Refused(400, f"{len(texts)} prompts: at most {MAX_PROMPTS} per request (each decoded in turn)",
+                      "prompt")
+    prompts = []
+    for i, text in enumerate(texts):
+        what = "prompt" if len(texts) == 1 else f"prompt.{i}"
+        ids = await service.ids([text], lambda text=text: engine.text_ids(text), what)
+        prompts.append((ids, service.prepare(ids, body.max_tokens, what)))
+    sampling = body.sampling(body.asked_logprobs(), engine.vocab_size)
+    stop_ids = body.stop_ids(engine.vocab_size)
+    choices = choices_of(prompts, body.n or 1, sampling)
     reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
     if not body.stream:
-        out = await service.complete(request, ids, max_tokens, stops, arrived, sampling)
-        return {**head, "choices": [{"index": 0, "text": out.text,
-                                     "logprobs": completion_logprobs(engine, out.logprobs, sampling),
-                                     "finish_reason": out.finish_reason}],
-                "usage": usage(out.prompt_tokens, out.completion_tokens)}
-    decoding = await service.start(request, ids, max_tokens, stops, arrived, sampling)  # refusals keep status
-    return streaming(completion_events(decoding, head, engine, sampling, len(ids), include_usage(body)))
+        outs = await complete_all(service, request, choices, stops, arrived, stop_ids)
+        return {**head, "choices": [{"index": c.index, "text": out.text,
+                                     "logprobs": completion_logprobs(engine, out.logprobs, c.sampling),
+                                     "finish_reason": out.finish_reason}
+                                    for c, out in zip(choices, outs, strict=True)],
+                "usage": usage_of(choices, outs)}
+    first = choices[0]  # started here: a refusal keeps its status
+    decoding = await service.start(request, first.ids, first.max_tokens, stops, arrived, first.sampling, stop_ids)
+
+    def events(decoding: Decoding, choice: Choice, completed: list[int]) -> AsyncIterator[str]:
+        return completion_events(decoding, head, engine, choice, completed)
+
+    def usage_event(figures: dict) -> str:
+        return sse({**head, "choices": [], "usage": figures})
+
+    return streaming(one_after_another(service, request, choices, decoding, stops, stop_ids, events,
+                                       usage_event if include_usage(body) else None))
 
 
-async def completion_events(decoding: Decoding, head: dict, engine: Engine, sampling: SamplingParams | None,
-                            prompt_tokens: int, with_usage: bool) -> AsyncIterator[str]:
-    """A completion stream: one event per token, the last with the finish (then the usage, if asked), [DONE]."""
+async def completion_events(decoding: Decoding, head: dict, engine: Engine, choice: Choice,
+                            completed: list[int]) -> AsyncIterator[str]:
+    """One choice of a completion stream: one event per token, the last with the finish."""
     offset = [0]  # characters streamed so far: each event's logprobs carry their text_offset
 
     def chunk(text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
-        logprobs = completion_logprobs(engine, [logprob], sampling, offset[0]) if logprob else None
+        logprobs = completion_logprobs(engine, [logprob], choice.sampling, offset[0]) if logprob else None
         offset[0] += len(text)
-        return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+        return sse({**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish}]})
 
     async for item in stream_items(decoding):
@@ -701,9 +835,7 @@ async def completion_events(decoding: Decoding, head: dict, engine: Engine, samp
             yield chunk(item.text, None, item.logprob)
         else:
             yield chunk(item.text, item.reason)
-            if with_usage:
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, item.completion_tokens)})
-    yield sse("[DONE]")
+            completed[0] += item.completion_tokens
 
 
 async def generate(request: Request) -> dict:

@@ -144,6 +144,7 @@ class Engine:
         self.generator: Generator | None = None
         self.host_bytes: dict[str, int] = {}
         self.max_prompt_chars = 0  # set by load
+        self.vocab_size = 0  # set by load
         # The tokenizer is used from two threads (the server's tokenizing thread, the decode thread); transformers
         # reconfigures the Rust tokenizer on each call (truncation, padding), which another thread's call at the same
         # moment meets as "Already borrowed" (huggingface/tokenizers#537): one at a time.
@@ -167,6 +168,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.shape.kv_max)
         spec = load_spec(self.checkpoint)
+        self.vocab_size = spec.vocab_size  # what logit_bias and stop_token_ids may name
         ckpt = self._stack.enter_context(
             Checkpoint(self.checkpoint, self.text_prefix or text_prefix_of(self.checkpoint)))
         ckpt.verify(spec)
@@ -208,15 +210,15 @@ class Engine:
             return self.tokenizer.decode([token])
 
     def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...], cancel: threading.Event,
-               sampler: Sampler | None = None) -> Iterator[Piece | Finish]:
+               sampler: Sampler | None = None, stop_ids: tuple[int, ...] = ()) -> Iterator[Piece | Finish]:
         """Decode (greedy, or ``sampler``'s choices): a ``Piece`` per token, then one ``Finish``. Stops at an
-        end-of-sequence token (not shown), at a stop string (cut before it), after ``max_tokens``, or at the first
-        step after ``cancel`` is set."""
+        end-of-sequence token or one of ``stop_ids`` (not shown), at a stop string (cut before it), after
+        ``max_tokens``, or at the first step after ``cancel`` is set."""
         tokens: list[int] = []
         shown = 0  # characters of the generated text already given out
         choose = sampler.choose if sampler else None
         for step in self.generator.steps(ids, max_tokens, choose=choose):
-            if step.token in self.generator.eos_ids:
+            if step.token in self.generator.eos_ids or step.token in stop_ids:
                 text = self._text(tokens)
                 yield Finish("stop", text[shown:], len(tokens) + 1)
                 return

@@ -7,8 +7,13 @@ other graph: ``Sampler.choose`` is given the row and returns the token, which th
   ``SAMPLING_EPS`` (vLLM's rule: dividing by 1e-308 overflows the logits to inf, and their softmax to nan). Above it
   the logits are divided by it and a token is drawn from their softmax, restricted to the smallest set of most likely
   tokens whose probabilities reach ``top_p`` (nucleus sampling).
-- ``presence_penalty`` and ``frequency_penalty`` lower the logit of every token already generated in this request
-  (once, and once per occurrence: OpenAI's definition), before the choice.
+- ``top_k`` keeps the ``k`` most likely tokens (0 or -1: all), ``min_p`` those at least ``min_p`` times as likely as
+  the most likely one: both after temperature and before ``top_p``, in vLLM's order.
+- ``logit_bias`` (token id -> -100..100, OpenAI's) is added to the logits before anything else, greedy included.
+- ``repetition_penalty`` (vLLM's, after the CTRL paper: 1 is off) divides the positive logits and multiplies the
+  negative ones of every token in the prompt or already generated; ``presence_penalty`` and ``frequency_penalty``
+  lower the logit of every token already generated in this request (once, and once per occurrence: OpenAI's
+  definition). All before the choice, greedy included, as vLLM applies them.
 - ``seed`` (a signed 64-bit integer, as vLLM takes it) makes a request reproducible: one ``torch.Generator`` per
   request, seeded with it, is the only source of randomness (the same request with the same seed gives the same text,
   on the same build). Without a seed, one is drawn from the operating system.
@@ -39,10 +44,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int | None = None
     """None: no log-probabilities; 0: the chosen token's; N: and the N most likely tokens'."""
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything moves the logits before the choice (else greedy is the build's own argmax)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -55,8 +70,9 @@ class TokenLogprob:
 class Sampler:
     """One request's choices, in order; ``choose`` is called once per step, from the decode thread."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt_ids: tuple[int, ...] | list[int] = ()):
         self.params = params
+        self.prompt_ids = set(prompt_ids)  # what repetition_penalty counts beside the generated tokens
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
         self.counts: Counter[int] = Counter()
@@ -70,6 +86,10 @@ class Sampler:
             token = int(torch.argmax(scores))
         else:
             probs = torch.softmax(scores / p.temperature, dim=-1)
+            if 0 < p.top_k < probs.numel():
+                probs = top_k(probs, p.top_k)
+            if p.min_p > 0:
+                probs = min_p(probs, p.min_p)
             if p.top_p < 1.0:
                 probs = nucleus(probs, p.top_p)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
@@ -80,13 +100,36 @@ class Sampler:
 
     def _penalized(self, raw: torch.Tensor) -> torch.Tensor:
         p = self.params
-        if not self.counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+        if not p.changes_logits:
             return raw
         scores = raw.clone()
-        tokens = torch.tensor(list(self.counts), dtype=torch.long)
-        counts = torch.tensor([self.counts[t] for t in self.counts], dtype=scores.dtype)
-        scores[tokens] -= p.frequency_penalty * counts + p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+            scores[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype)
+        seen = self.prompt_ids | set(self.counts)
+        if p.repetition_penalty != 1.0 and seen:
+            ids = torch.tensor(sorted(seen), dtype=torch.long)
+            picked = scores[ids]
+            scores[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            tokens = torch.tensor(list(self.counts), dtype=torch.long)
+            counts = torch.tensor([self.counts[t] for t in self.counts], dtype=scores.dtype)
+            scores[tokens] -= p.frequency_penalty * counts + p.presence_penalty
         return scores
+
+
+def top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``probs`` kept on its ``k`` most likely tokens, renormalized."""
+    kept = torch.zeros_like(probs)
+    best = torch.topk(probs, k)
+    kept[best.indices] = best.values
+    return kept / kept.sum()
+
+
+def min_p(probs: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``probs`` kept on the tokens at least ``ratio`` times as likely as the most likely one, renormalized."""
+    kept = torch.where(probs >= ratio * probs.max(), probs, torch.zeros_like(probs))
+    return kept / kept.sum()
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
