@@ -215,3 +215,11 @@ def test_a_missing_plus_or_a_typo_in_a_multirun_is_a_usage_error(tmp_path, args,
     proc = cli(*args, "stage=toolchain", f"artifacts_dir={tmp_path}")
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
     assert "HYDRA_FULL_ERROR" not in proc.stderr
+
+
+def test_subcommand_help_shows_no_restructuredtext_markup():
+    from pipeline.__main__ import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        proc = cli(name, "--help")
+        assert proc.returncode == 0 and "``" not in proc.stdout, (name, proc.stdout[:500])

@@ -1,2 +1,6 @@
-"""The subcommands of ``python -m pipeline``: pull, generate, schedule, check-upgrades and neuron-check.
-"""
+"""The subcommands of ``python -m pipeline`` (each module one; ``--help`` shows its docstring through ``plain``)."""
+
+
+def plain(doc: str) -> str:
+    """A module docstring as ``--help`` shows it: reStructuredText's double backticks as single ones."""
+    return doc.replace("``", "`")

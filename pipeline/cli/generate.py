@@ -20,6 +20,7 @@ from pathlib import Path
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
+from pipeline.cli import plain
 from pipeline.cli.pull import host_toolchain, judged
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
@@ -65,7 +66,7 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rank_dir", type=Path, help="the directory pull printed, or a packaged build folder "
                                                     "(artifacts/<model>/<variant>/build)")

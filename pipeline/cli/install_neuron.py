@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline.backends import neuron_sdk
-from pipeline.cli import neuron_lock, upgrades
+from pipeline.cli import neuron_lock, plain, upgrades
 from pipeline.core.errors import PipelineError
 from pipeline.core.log import exit_on_error, setup
 
@@ -43,7 +43,7 @@ def versions_to_install(args: argparse.Namespace, lock: Path) -> tuple[dict[str,
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline install-neuron", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline install-neuron", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--release", default=neuron_sdk.PINNED, choices=[r.release for r in neuron_sdk.RELEASES],
                         help=f"the Neuron SDK release (default: {neuron_sdk.PINNED}, the tested one)")

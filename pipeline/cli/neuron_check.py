@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.cli import plain
 from pipeline.core.errors import PipelineError
 
 LAYOUTS = (  # (what, the variant built)
@@ -156,7 +157,8 @@ def table(verdicts: list[Verdict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline neuron-check", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m pipeline neuron-check",
+                                     description=plain(__doc__.split("\n\n")[0]),
                                      epilog="Other arguments are Hydra overrides (e.g. backend.visible_cores=0-1).")
     parser.add_argument("--keep", type=Path, help="build under this folder and keep it (default: a temporary one)")
     args, overrides = parser.parse_known_args(argv)

@@ -43,6 +43,7 @@ from pipeline.artifact import pulled, signing
 from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
+from pipeline.cli import plain
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import InputError, IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_bytes, sha256_file
@@ -570,7 +571,7 @@ def add_trust_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline pull", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline pull", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
     parser.add_argument("version", help="a published version (<variant>-<compiler>-<inputs>), or a variant's name for "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.cli import plain
 from pipeline.core.log import exit_on_error, setup
 
 CHOICES = ("model", "publish")  # params.yaml's pipeline-level choices the target depends on
@@ -36,7 +37,7 @@ def params_choices(params: Path = Path("params.yaml")) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline refresh-index", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline refresh-index", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="configuration overrides (KEY=VALUE), after params.yaml's")
     parser.add_argument("--force", action="store_true", help="write the index again now, however much time is left")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import uuid
 
+from pipeline.cli import plain
 from pipeline.core.errors import ConfigError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
 
@@ -63,7 +64,8 @@ def check_remote(repo_dir: str, name: str | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline check-remote", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline check-remote",
+                                     description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("-r", "--remote", help="the remote's name (default: the repository's default remote)")
     parser.add_argument("--repo", default=".", help="the DVC repository (default: here)")
     args = parser.parse_args(argv)

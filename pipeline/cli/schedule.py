@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from pipeline.cli import plain
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.core.units import GIB
 from pipeline.stages import phases
@@ -252,7 +253,7 @@ def summary_table(outcomes: list[Outcome], variants: list[str]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline schedule", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every variant (backend=cpu model=...)")
     parser.add_argument("--variants", help="comma-separated variant names (default: every file in conf/variant/)")
     parser.add_argument("--jobs", type=int, help="tasks at once (default: one per CPU core)")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
+from pipeline.cli import plain
 from pipeline.cli.pull import add_trust_flags, host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
@@ -157,7 +158,7 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipeline serve", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline serve", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a local publish folder, a Hugging Face repo id, or a directory pull printed")
     parser.add_argument("version", nargs="?", help="a published version, or a variant's name for its newest (not "

@@ -60,7 +60,7 @@ from packaging.version import InvalidVersion, Version
 
 from pipeline.backends import neuron_sdk
 from pipeline.backends.neuron_sdk import NEURON_INDEX, PINNED_TORCH, SdkRelease, release_part
-from pipeline.cli import neuron_lock
+from pipeline.cli import neuron_lock, plain
 from pipeline.cli.neuron_lock import file_version
 from pipeline.core.errors import PipelineError
 from pipeline.core.log import EXIT_ERROR, exit_on_error, log, setup
@@ -518,7 +518,8 @@ def document(result: Plan, index: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline check-upgrades", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline check-upgrades",
+                                     description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--python", help="the interpreter of the environment to check (default: this one)")
     parser.add_argument("--neuron-index", default=NEURON_INDEX,
                         help=f"the Neuron repository or a mirror of it, the only source of the Neuron packages "

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.backends import compatibility
+from pipeline.cli import plain
 from pipeline.cli.pull import host_toolchain, source_for
 from pipeline.core.log import exit_on_error, setup
 from pipeline.core.names import escaped
@@ -51,7 +52,7 @@ def as_json(rows: list[tuple[index.Published, compatibility.Verdict]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline versions", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pipeline versions", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
     parser.add_argument("--variant", help="only this variant's versions")
