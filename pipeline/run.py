@@ -265,8 +265,7 @@ def run_pipeline(cfg) -> list[StageResult]:
         raise ConfigError(f"stage {cfg.stage!r} builds one variant: add +variant=NAME (one of {names}), or "
                           f"--multirun '+variant=glob(*)' for all of them")
     if cfg.variant is not None and {"trace", "validate"} & set(stages):
-        check_backend(cfg, "validate" in stages)
-        check_model_fit(cfg)
+        check_backend(cfg, "validate" in stages)  # (the model's fit was checked by load_config)
     if cfg.variant is not None and {"trace", "publish"} & set(stages):
         check_publish_target(cfg)
     results = []
