@@ -81,7 +81,6 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
                 buf.zero_()  # tracing ran the examples through the caches
     path = Path(out_dir) / f"tp_{rank}.pt"
     with reporting_full_disk(path, f"trace: rank {rank}"):
-        path.unlink(missing_ok=True)  # a rank file of an interrupted attempt
         # No copy of the archive in memory; then without its debug records: the same bytes from any checkout,
         # environment or host.
         save_torchscript(traced, path)

@@ -317,7 +317,14 @@ def weight_bytes(spec: ModelSpec, shape: BuildShape) -> WeightBytes:
     plan = ShardPlan(spec, shape.tp_degree)
     return WeightBytes(plan.rank_bytes(shape.torch_dtype), shape.tp_degree,
                        plan.largest_tensor_bytes(shape.torch_dtype),
-                       ShardPlan(spec, 1).rank_bytes(shape.torch_dtype), ShardPlan(spec, 1).rank_bytes(torch.float32))
+                       decoder_bytes(spec, shape.torch_dtype), decoder_bytes(spec, torch.float32))
+
+
+def decoder_bytes(spec: ModelSpec, dtype) -> int:
+    """The whole decoder as one rank at ``dtype`` (the host's prefill model; in fp32, the float reference's)."""
+    from pipeline.recipe.plan import ShardPlan
+
+    return ShardPlan(spec, 1).rank_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -515,9 +522,7 @@ def reference_need(spec: ModelSpec) -> Need:
     size (its decoder in fp32 is 17.6 GiB)."""
     import torch
 
-    from pipeline.recipe.plan import ShardPlan
-
-    decoder = ShardPlan(spec, 1).rank_bytes(torch.float32)
+    decoder = decoder_bytes(spec, torch.float32)  # WeightBytes.host_float
     memory = REFERENCE_FIXED_GB * GIB + REFERENCE_PER_BYTE * decoder
     return Need(int(memory), {}, 0, f"the float reference (its decoder in fp32: {decoder / GIB:.1f} GiB)")
 

@@ -106,9 +106,8 @@ class Sampler:
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
             scores[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype)
-        seen = self.prompt_ids | set(self.counts)
-        if p.repetition_penalty != 1.0 and seen:
-            ids = torch.tensor(sorted(seen), dtype=torch.long)
+        if p.repetition_penalty != 1.0 and (self.prompt_ids or self.counts):
+            ids = torch.tensor(sorted(self.prompt_ids | set(self.counts)), dtype=torch.long)
             picked = scores[ids]
             scores[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         if self.counts and (p.presence_penalty or p.frequency_penalty):
