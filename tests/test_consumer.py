@@ -546,6 +546,21 @@ def test_an_expired_index_is_refused_until_refreshed_or_named(validated_512_fp32
     assert again.returncode == 0 and "fresh enough, nothing to do" in again.stderr  # no commit while half is left
 
 
+def test_refresh_index_with_nothing_published_creates_nothing_and_an_unreadable_index_is_an_error(tmp_path):
+    """A host that never published (the scheduled rebuild on a second host with publish=local) has nothing that can
+    expire: refresh-index says so and exits 0 without creating the repository; an index this release cannot read is
+    the publisher's to replace, an error."""
+    artifacts = tmp_path / "artifacts"
+    nothing = cli("refresh-index", f"artifacts_dir={artifacts}")
+    assert nothing.returncode == 0 and "(nothing published yet): nothing to refresh" in nothing.stderr, nothing.stderr
+    assert not (artifacts / "published").exists()
+    repo = LocalRepo(artifacts / "published")
+    repo.ensure()
+    repo.commit({layout.INDEX: b'{"schema": "an older one"}'}, [], "an index of another release", repo.head())
+    unreadable = cli("refresh-index", f"artifacts_dir={artifacts}")
+    assert unreadable.returncode == 1 and f"holds no {layout.INDEX} this release reads" in unreadable.stderr
+
+
 def test_a_version_older_than_one_already_taken_must_be_named(signed_repo, tmp_path):
     folder, (older, newer), _, public = signed_repo
     assert pull_signed(folder, newer, public, tmp_path / "a").returncode == 0

@@ -163,15 +163,20 @@ class HubTarget:
         self.repo_id, self.private = repo_id, private
         self.api = api()
 
-    def ensure(self) -> None:
-        """Create the repository if it is missing. Asked first, so that an existing one needs no create right: the
-        client's ``create_repo(exist_ok=True)`` answers a 403 by checking that the repo exists, then builds a URL that
-        fails for any HF_ENDPOINT but huggingface.co's (HfUriError; huggingface_hub 2.4.0, hf_api.create_repo)."""
+    def exists(self) -> bool:
         from huggingface_hub.errors import RepositoryNotFoundError
 
         try:
             self.api.repo_info(self.repo_id)
         except RepositoryNotFoundError:
+            return False
+        return True
+
+    def ensure(self) -> None:
+        """Create the repository if it is missing. Asked first, so that an existing one needs no create right: the
+        client's ``create_repo(exist_ok=True)`` answers a 403 by checking that the repo exists, then builds a URL that
+        fails for any HF_ENDPOINT but huggingface.co's (HfUriError; huggingface_hub 2.4.0, hf_api.create_repo)."""
+        if not self.exists():
             self.api.create_repo(self.repo_id, private=self.private, exist_ok=True)
 
     def head(self) -> str:

@@ -30,8 +30,11 @@ class LocalRepo:
             raise PublishError(f"git {' '.join(args)} failed in {self.path}: {err.strip()}")
         return proc
 
+    def exists(self) -> bool:
+        return (self.path / ".git").is_dir()
+
     def ensure(self) -> None:
-        if (self.path / ".git").is_dir():
+        if self.exists():
             return
         if self.path.exists() and any(self.path.iterdir()):
             raise PublishError(f"publish.local_dir {self.path} exists and is not a publish repository: "

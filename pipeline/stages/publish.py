@@ -309,13 +309,16 @@ def refresh_index(cfg: PipelineConfig, force: bool = False) -> dict:
     """Write the target's ``versions.json`` again (same rows, the next ``index_version``, a new expiry; signed where
     signing is on) when less than half of ``publish.index_expiry_days`` is left, or with ``force``: what keeps a
     consumer with the public key taking it while nothing new is published. Returns ``{"commit", "refreshed",
-    "expires", "index_version"}``."""
+    "expires", "index_version"}``, all None but ``refreshed`` when nothing is published there."""
     pub, key = cfg.publish, cfg.package.signing.private_key
 
     def refresh(target, _source: str) -> dict:
-        target.ensure()
-        head = target.head()
-        previous = index.readable(target.read(head, layout.INDEX))
+        # Nothing published there yet (a first run that built nothing new, a host whose publish=local folder is its
+        # own): nothing can expire, and the repository is not created by a command that only keeps one fresh.
+        raw = target.read(head := target.head(), layout.INDEX) if target.exists() else None
+        if raw is None:
+            return {"commit": None, "refreshed": False, "expires": None, "index_version": None}
+        previous = index.readable(raw)
         if previous is None:
             raise PublishError(f"the head of {pub.repo_id} holds no {layout.INDEX} this release reads: publish any "
                                "version with this release first (it writes the index whole)")
@@ -330,6 +333,9 @@ def refresh_index(cfg: PipelineConfig, force: bool = False) -> dict:
         return {"commit": commit, "refreshed": True, "expires": new.expires, "index_version": new.index_version}
 
     result, where = on_target(cfg, refresh, "refreshing the index")
+    if result["commit"] is None:
+        log.warning("refresh-index: %s: no %s there (nothing published yet): nothing to refresh", where, layout.INDEX)
+        return result
     log.info("refresh-index: %s: %s (index_version %d, expires %s)", where,
              "written again" if result["refreshed"] else "fresh enough, nothing to do", result["index_version"],
              result["expires"])
