@@ -179,12 +179,15 @@ def refused(problems: list[str]) -> None:
 
 def expanded(args: list[str]) -> list[str]:
     """The arguments with a derived variant name (``+variant=512_fp32+kv1024``, as params.yaml may list one) spelled
-    as the overrides that build it; a derived name that is not the canonical one is a usage error (exit 2)."""
+    as the overrides that build it, and a field set to ``base`` left out; a derived name that is not the canonical
+    one is a usage error (exit 2)."""
     from pipeline.core.errors import ConfigError
     from pipeline.run import expand_derived
 
     out = []
     for arg in args:
+        if keeps_the_files_value(arg):
+            continue
         if arg.startswith("variant="):  # Hydra: "Could not override 'variant'. No match in the defaults list"
             refused([f"{arg}: a variant is added to the configuration, not overridden: write +{arg}"])
         try:
@@ -192,6 +195,15 @@ def expanded(args: list[str]) -> list[str]:
         except ConfigError as exc:
             refused(exc.problems)
     return for_every_variant(out)
+
+
+def keeps_the_files_value(arg: str) -> bool:
+    """``variant.kv_max=base`` (a field ``DERIVED_SPELLING`` names, set to ``base``): the variant file's own value, as
+    if not given. What dvc.yaml's sweep stages pass for a field the sweep leaves alone (params.yaml's ``sweep``)."""
+    from pipeline.run import DERIVED_SPELLING
+
+    key, _, value = arg.partition("=")
+    return value == "base" and key.removeprefix("variant.") in DERIVED_SPELLING and key.startswith("variant.")
 
 
 def for_every_variant(args: list[str]) -> list[str]:

@@ -508,6 +508,10 @@ class PipelineConfig:
     stage: str = "all"
     force: bool = False
     artifacts_dir: str = "artifacts"
+    # The folder under artifacts_dir/<model>/ a variant's build and records go to; None: the variant's name. dvc.yaml's
+    # sweep stages set sweep-<base>, so every experiment of a knob sweep writes the same paths (one column each in
+    # `dvc exp show`) while its version is still named after what it is (512_fp32+kv768).
+    variant_folder: str | None = None
 
     @property
     def root(self) -> Path:
@@ -522,7 +526,20 @@ def problems(cfg: PipelineConfig) -> list[str]:
     rules between sections."""
     sections = (cfg.model, cfg.variant, cfg.backend, cfg.validate, cfg.package, cfg.publish, cfg.preflight)
     found = [p for section in sections if section is not None for p in section.problems()]
-    return found + _cores_for_variant(cfg) + _signing_for_stage(cfg)
+    return found + _cores_for_variant(cfg) + _signing_for_stage(cfg) + _variant_folder(cfg)
+
+
+def _variant_folder(cfg: PipelineConfig) -> list[str]:
+    """variant_folder is one plain folder name, for a build of one variant."""
+    folder = cfg.variant_folder
+    if folder is None:
+        return []
+    if cfg.variant is None:
+        return [f"variant_folder={folder}: it names one variant's folder; add +variant=NAME"]
+    if not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", folder):
+        return [f"variant_folder={folder!r} is not a folder name: letters, digits and _ . + - (no '/'), e.g. "
+                "sweep-512_fp32"]
+    return []
 
 
 def _cores_for_variant(cfg: PipelineConfig) -> list[str]:

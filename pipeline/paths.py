@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from pipeline.config import PipelineConfig
 class Paths:
     root: Path
     model: str
-    variant: str | None = None
+    variant: str | None = None  # the variant's folder: its name, or variant_folder
 
     @classmethod
     def of(cls, cfg: PipelineConfig) -> Paths:
-        return cls(Path(cfg.artifacts_dir), cfg.model.name, cfg.variant.name if cfg.variant else None)
+        if cfg.variant is None:
+            return cls(Path(cfg.artifacts_dir), cfg.model.name)
+        return cls(Path(cfg.artifacts_dir), cfg.model.name, cfg.variant_folder or cfg.variant.name)
 
     # shared
     @property
@@ -82,3 +85,23 @@ class Paths:
     @property
     def receipt(self) -> Path:
         return self.variant_dir / "publish.json"
+
+
+def dvc_user_workspace() -> Path | None:
+    """The user's DVC workspace when this process runs in one of DVC's temporary experiment workspaces (``dvc exp run
+    --queue`` or ``--temp``: a copy of the repository under ``<workspace>/.dvc/tmp/exps/``, deleted after the run);
+    None anywhere else. DVC sets ``DVC_ROOT`` to the user's workspace there ("Override DVC_ROOT env var to point to
+    the parent DVC repo root (and not an executor tempdir root)": dvc/repo/experiments/queue/base.py, DVC 3.x)."""
+    root = os.environ.get("DVC_ROOT")
+    if not root:
+        return None
+    temporary = (Path(root) / ".dvc" / "tmp" / "exps").resolve()
+    return Path(root) if Path.cwd().resolve().is_relative_to(temporary) else None
+
+
+def outliving_dvc(path: Path) -> Path:
+    """``path`` (relative to the working directory) where it outlives a DVC temporary workspace: under the user's
+    workspace when this runs in one, else itself. What must not be deleted with the experiment's copy (the local
+    publish repository) goes there."""
+    workspace = dvc_user_workspace()
+    return workspace / path if workspace is not None and not path.is_absolute() else path

@@ -47,8 +47,9 @@ def load_config(raw, variant_choice: str | None = None):
     if typed.variant is not None and variant_choice:
         derived = derived_name(typed.variant, variant_choice)
         if derived != typed.variant.name:
-            log.warning("the overrides change variant %s (%s): built as %s, in its own folder, version and card",
-                        variant_choice, ", ".join(changed_fields(typed.variant, variant_choice)), derived)
+            folder = f"variant_folder {typed.variant_folder}" if typed.variant_folder else "its own folder"
+            log.warning("the overrides change variant %s (%s): built as %s, in %s, with its own version and card",
+                        variant_choice, ", ".join(changed_fields(typed.variant, variant_choice)), derived, folder)
             typed.variant.name = derived
     return typed
 
@@ -253,10 +254,30 @@ def check_publish_target(cfg) -> None:
                            "\n".join(f"  - {p}" for p in found))
 
 
+def check_prompts_cover(cfg) -> None:
+    """Before a trace: the validation prompts the reference holds cover the variant's shape (one near a bucket, one
+    spanning buckets: validate's own refusal, ``select_prompts``), so a derived kv_max or bucket they cannot validate
+    (512_fp32+kv384) is refused before the hours of tracing, not after. Nothing to ask without a reference yet, or one
+    made for other prompts (the reference stage makes it again, and validate asks then)."""
+    import json
+
+    from pipeline.paths import Paths
+    from pipeline.validation.worker import select_prompts
+
+    try:
+        record = json.loads(Paths.of(cfg).reference.read_text())
+        names = [p["name"] for p in record["prompts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if names == [p.name for p in cfg.validate.prompts] and record.get("max_new_tokens") == cfg.validate.max_new_tokens:
+        select_prompts(record["prompts"], cfg.variant.shape, record["max_new_tokens"], cfg.validate.prompt_names)
+
+
 def run_pipeline(cfg) -> list[StageResult]:
     from pipeline.config import available_variants
     from pipeline.core.errors import ConfigError
     from pipeline.host.locking import held
+    from pipeline.paths import Paths
     from pipeline.stages import BY_NAME, ORDER, SHARED, StageStatus, module
 
     stages = list(ORDER) if cfg.stage == "all" else [cfg.stage]
@@ -274,7 +295,9 @@ def run_pipeline(cfg) -> list[StageResult]:
         began = time.monotonic()
         # Several runs may share artifacts_dir (a multirun launcher, the scheduler, two shells): a stage waits for
         # another run of itself, then skips by fingerprint.
-        with held(cfg.root, BY_NAME[name].lock_name(cfg.model.name, cfg.variant.name if cfg.variant else None)):
+        if name == "trace":
+            check_prompts_cover(cfg)
+        with held(cfg.root, BY_NAME[name].lock_name(cfg.model.name, Paths.of(cfg).variant)):
             result = module(name).run(cfg)
         if name == "model" and cfg.variant is not None and {"trace", "validate"} & set(stages):
             check_model_fit(cfg)  # the checkpoint is here now: before the reference's minutes

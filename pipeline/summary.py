@@ -87,6 +87,10 @@ class MultirunSummary(Callback):
         failed = [r for r in rows if not r["ok"]]
         log.info("multirun: %d variant(s), %d succeeded, %d failed:\n%s", len(rows),
                  len(rows) - len(failed), len(failed), table(rows))
+        if config.model.get("source") == "tiny" and config.model.get("path") is None:
+            from pipeline.models.tiny_model import MEANINGLESS
+
+            log.info("multirun: built from %s", MEANINGLESS)  # make demo's last words: what a newcomer reads first
         if failed:
             for row in failed:
                 log.error("multirun: %s failed: %s", row["variant"], row["error"])

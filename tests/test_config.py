@@ -61,7 +61,11 @@ def test_params_yaml_lists_only_existing_variants():
     assert {"256_bf16_host", "512_bf16_host", "2048_bf16_host", "512_bf16", "512_fp32", "2048_bf16",
             "2048_fp32"} <= set(params["variants"])
     assert set(params) == {"model", "backend", "publish", "hardware", "variants", "sweep"}  # what dvc.yaml reads
-    assert params["sweep"] == []  # a sweep is an experiment's: dvc exp run -S 'sweep=[...]'
+    # a sweep is an experiment's (dvc exp run -S 'sweep.base=[512_fp32]' -S sweep.kv_max=1024): none by default, and
+    # its fields are the ones a derived name spells (tp_degree aside: both NeuronCores of an inf2 device)
+    from pipeline.run import DERIVED_SPELLING
+
+    assert params["sweep"] == {"base": [], **{key: "base" for key in DERIVED_SPELLING if key != "tp_degree"}}
 
 
 @pytest.mark.parametrize(("override", "message"), [

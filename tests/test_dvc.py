@@ -68,6 +68,16 @@ def quicker_validation(dst: Path) -> None:
     (dst / "conf" / "validate" / "default.yaml").write_text(yaml.safe_dump(validate))
 
 
+def as_sweep_stage(stage: dict) -> dict:
+    """A named per-variant stage as its sweep_ twin: over sweep.base, each knob passed (params.yaml's sweep, `base`
+    for the base's own value), every path in the sweep's folder."""
+    knobs = " ".join(f"variant.{k}=${{sweep.{k}}}" for k in ("kv_max", "bucket", "dtype", "prefill"))
+    text = json.dumps(stage["do"]).replace("${model}/${item}/", "${model}/sweep-${item}/").replace(
+        "plots/${item}.json", "plots/sweep-${item}.json").replace(
+        "+variant=${item} ", f"+variant=${{item}} {knobs} variant_folder=sweep-${{item}} ")
+    return {"foreach": "${sweep.base}", "do": json.loads(text)}
+
+
 def test_dvc_yaml_has_exactly_the_registrys_stages_and_the_code_each_fingerprints():
     """One registry (pipeline.stages.STAGES) says which stages there are, in what order, which run per variant and
     what code each runs; dvc.yaml is its copy for `dvc repro`."""
@@ -77,9 +87,9 @@ def test_dvc_yaml_has_exactly_the_registrys_stages_and_the_code_each_fingerprint
     sweeps = {name: stage for name, stage in stages.items() if name.startswith("sweep_")}
     stages = {name: stage for name, stage in stages.items() if name not in sweeps}
     assert list(stages) == list(ORDER)
-    # the sweep's stages are the per-variant stages over params.yaml's sweep list, the same definitions
+    # the sweep's stages are the per-variant stages over sweep.base, with the knobs and the sweep's folder
     assert {name.removeprefix("sweep_"): stage for name, stage in sweeps.items()} == {
-        name: {**stages[name], "foreach": "${sweep}"} for name in ORDER if not BY_NAME[name].shared}
+        name: as_sweep_stage(stages[name]) for name in ORDER if not BY_NAME[name].shared}
     for name, stage in stages.items():
         assert ("foreach" in stage) == (not BY_NAME[name].shared), f"dvc.yaml's {name}: per variant or not"
         deps = (stage.get("do") or stage)["deps"]
@@ -314,26 +324,62 @@ def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing
                                                                 for c in ("2.23.6484.0", "2.24.5133.0"))
 
 
+def wait_for_queue(repo: Path, timeout: float = 1200) -> str:
+    """`dvc queue start`, then what `dvc queue status` says once nothing is queued or running."""
+    import time
+
+    dvc(repo, "queue", "start", "-j", "1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = dvc(repo, "queue", "status")
+        if not re.search(r"\b(Queued|Running)\b", status):
+            return status
+        time.sleep(3)
+    raise AssertionError(f"the queue did not finish in {timeout} s:\n{status}")
+
+
+SWEEP = "artifacts/gemma4_tiny/sweep-512_fp32"
+
+
 @pytest.mark.slow
-def test_a_knob_sweep_the_dvc_way(tmp_path):
-    """`dvc exp run -S 'sweep=[...]'` with a derived name builds that variant's other field values under their own
-    name beside the named variants (params.yaml's sweep, dvc.yaml's sweep_* stages, pipeline/run.py expand_derived),
-    neither rebuilding nor removing the named builds (`-S 'variants=[...]'` emptied every named variant's folder when
-    the experiment was applied), and `dvc exp show` lists the experiment with its metrics."""
+def test_a_knob_sweep_the_dvc_way_queued_and_in_the_workspace(tmp_path):
+    """docs/scale.md's "Sweeps, the DVC way" as a DVC user runs it: `dvc exp run --queue -S 'sweep.base=[512_fp32]'
+    -S 'sweep.kv_max=A,B'`, `dvc queue start`, then one more in the workspace. Each experiment builds its derived
+    variant in the sweep's folder (so `dvc exp show` has one column per figure across them), publishes into the
+    user's publish repository (the queued runs published into DVC's temporary copy, deleted afterwards), takes the
+    checkpoint from the workspace instead of materialising it again, and neither rebuilds nor removes the named
+    builds."""
     repo = checkout_copy(tmp_path / "repo", ["512_fp32"], quicker_validation)
     dvc(repo, "repro")
+    for args in (["add", "dvc.lock"], ["commit", "-q", "-m", "the named builds"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
     named = repo / "artifacts" / "gemma4_tiny" / "512_fp32"
     before = {p.name: sha256_file(p) for p in (named / "build").iterdir()}
-    out = dvc(repo, "exp", "run", "-S", "sweep=[512_fp32+kv256]", "-n", "kv256")
-    assert {s for s in ran(out) if "@" in s} == {f"sweep_{stage}@512_fp32+kv256"
+
+    dvc(repo, "exp", "run", "--queue", "-S", "sweep.base=[512_fp32]", "-S", "sweep.kv_max=384,640")
+    status = wait_for_queue(repo)
+    assert status.count("Success") == 2 and "Failed" not in status, status
+    logs = [dvc(repo, "queue", "logs", name) for name in re.findall(r"^\S+\s+(\S+)\s.*Success", status, re.M)]
+    for log in logs:
+        assert {s for s in ran(log) if "@" in s} == {f"sweep_{stage}@512_fp32"
+                                                     for stage in ("trace", "package", "validate", "publish")}, log
+        assert "from the DVC workspace's" in log and "Stage 'reference' didn't change" in log, log
+        assert ".dvc/tmp/exps" not in re.search(r"publish: .*", log).group(0), log
+
+    out = dvc(repo, "exp", "run", "-S", "sweep.base=[512_fp32]", "-S", "sweep.kv_max=256", "-n", "kv256")
+    assert {s for s in ran(out) if "@" in s} == {f"sweep_{stage}@512_fp32"
                                                  for stage in ("trace", "package", "validate", "publish")}
     assert {p.name: sha256_file(p) for p in (named / "build").iterdir()} == before  # still there, untouched
-    assert (named / "dist" / "manifest.json").is_file() and (named / "metrics.json").is_file()
+    manifest = json.loads((repo / SWEEP / "dist" / "manifest.json").read_text())
+    assert manifest["variant"]["kv_max"] == 256 and manifest["version"].startswith("512_fp32+kv256-")
+
     shown = json.loads(dvc(repo, "exp", "show", "--json"))
     runs = [e for row in shown for e in (row.get("experiments") or []) for e in (e.get("revs") or [])]
-    swept = next(r for r in runs if r.get("name") == "kv256")
-    metrics = swept["data"]["metrics"]["artifacts/gemma4_tiny/512_fp32+kv256/metrics.json"]["data"]
-    assert metrics["parity"]["passed"] is True
-    assert swept["data"]["params"]["params.yaml"]["data"]["sweep"] == ["512_fp32+kv256"]
-    manifest = json.loads((repo / "artifacts/gemma4_tiny/512_fp32+kv256/dist/manifest.json").read_text())
-    assert manifest["variant"]["kv_max"] == 256 and manifest["version"].startswith("512_fp32+kv256-")
+    by_kv = {r["data"]["params"]["params.yaml"]["data"]["sweep"]["kv_max"]: r["data"]["metrics"] for r in runs}
+    assert set(by_kv) == {256, 384, 640}
+    for metrics in by_kv.values():  # one path, so one column per figure
+        assert metrics[f"{SWEEP}/metrics.json"]["data"]["parity"]["passed"] is True
+    listed = subprocess.run([sys.executable, "-m", "pipeline", "versions", str(repo / "artifacts" / "published")],
+                            capture_output=True, text=True, cwd=REPO)
+    for kv in (256, 384, 640):
+        assert f"512_fp32+kv{kv}-" in listed.stdout, listed.stdout + listed.stderr

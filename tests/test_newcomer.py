@@ -57,7 +57,7 @@ def test_an_override_builds_under_its_own_name_and_leaves_the_named_variant_alon
                    "backend=cpu")
         assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
     said = done.stdout + done.stderr
-    assert "built as 512_fp32+kv1024, in its own folder, version and card" in said
+    assert "built as 512_fp32+kv1024, in its own folder, with its own version and card" in said
     assert snapshot(named) == before
     manifest = Manifest.read(Paths(root, "gemma4_tiny", "512_fp32+kv1024").manifest)
     assert manifest.version.startswith("512_fp32+kv1024-") and manifest.variant.kv_max == 1024
@@ -114,6 +114,7 @@ def test_generate_takes_a_build_folder_and_refuses_more_tokens_than_the_cache_ho
     ok = cli("generate", str(build), "--checkpoint", str(weights), "--prompt", "Hi", "--max-new-tokens", "3")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "3 new tokens" in ok.stderr
+    assert "its text is meaningless by design" in ok.stderr  # where a newcomer first reads the tiny model's text
     much = cli("generate", str(build), "--checkpoint", str(weights), "--prompt", "Hi", "--max-new-tokens", "1000")
     assert much.returncode == 1 and "--max-new-tokens 1000 with a prompt of" in much.stderr
     assert "ask for at most" in much.stderr  # serve's words for max_tokens (tests/test_serve.py)

@@ -24,6 +24,7 @@ from pipeline.cli import plain
 from pipeline.cli.pull import host_toolchain, judged
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
+from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 from pipeline.serving.engine import require_tokenizer, text_prefix_of
 from pipeline.validation.generation import Generator, new_tokens_problem
 from pipeline.validation.prompts import chat_ids
@@ -85,6 +86,8 @@ def main(argv: list[str]) -> int:
         result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix,
                           args.verify_full)
     print(result["text"])
+    if is_tiny(args.checkpoint):
+        log.warning("generate: %s", MEANINGLESS)
     log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result["prompt_tokens"],
              result["new_tokens"], result["ttft_ms"], result["tokens_per_s"])
     return 0

@@ -44,6 +44,7 @@ from pipeline.cli.pull import add_trust_flags, host_toolchain, judged, pull, sou
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
+from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a prompt that fills a 2048-token cache is about 10 KB of text
 DEFAULT_MAX_CONNECTIONS = 256  # one decodes at a time and --queue-size wait: the rest are health probes and idlers
@@ -220,6 +221,8 @@ def main(argv: list[str]) -> int:
             how = engine.verify(args.verify_full and is_rank_dir(args.source))  # pull has just hashed the others
             log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
                      engine.version, how, args.host, sock.getsockname()[1])
+            if is_tiny(args.checkpoint):
+                log.warning("serve: %s", MEANINGLESS)
             service = Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes, args.body_timeout)
             return run_server(service, sock, args)
         finally:

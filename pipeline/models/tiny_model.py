@@ -187,5 +187,16 @@ def generate(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, TURN_END_ID], pad_token_id=PAD_ID, do_sample=False,
     ).save_pretrained(out_dir)
     build_tokenizer(cfg).save_pretrained(out_dir)
-    (out_dir / "tiny_model.json").write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
+    (out_dir / MARKER).write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+MARKER = "tiny_model.json"  # written beside the tiny checkpoint's files: what it was generated from
+MEANINGLESS = ("the embedded tiny Gemma-4 (random weights, toy widths): its text is meaningless by design; what the "
+               "demo shows is that the build decodes token for token what the CPU reference does. model=gemma4_e4b "
+               "builds the real model")
+
+
+def is_tiny(checkpoint: Path) -> bool:
+    """Is ``checkpoint`` the generated tiny model (whose text means nothing)?"""
+    return (Path(checkpoint) / MARKER).is_file()

@@ -22,7 +22,7 @@ from pipeline.core.errors import CheckpointError, PipelineError, StaleInputError
 from pipeline.core.fsutil import link_or_copy, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.records import code_digest, encode, fingerprint
-from pipeline.paths import Paths
+from pipeline.paths import Paths, dvc_user_workspace
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.spec import load_spec
 from pipeline.stages import StageResult, StageStatus, code_of
@@ -115,6 +115,17 @@ def same_checkpoint(cfg: PipelineConfig, paths: Paths) -> dict[str, FileDigest] 
     return files if files == record.files else None
 
 
+def workspace_checkpoint(cfg: PipelineConfig) -> tuple[Path, dict[str, FileDigest]] | None:
+    """In a DVC temporary workspace, the user's workspace's weights/ and their file_digests when they hold the
+    checkpoint ``cfg`` names, unmodified; else None."""
+    workspace = dvc_user_workspace()
+    if workspace is None or Path(cfg.artifacts_dir).is_absolute():
+        return None
+    theirs = Paths(workspace / cfg.artifacts_dir, cfg.model.name)
+    files = same_checkpoint(cfg, theirs)
+    return (theirs.weights, files) if files else None
+
+
 def run(cfg: PipelineConfig) -> StageResult:
     paths = Paths.of(cfg)
     fp = fingerprint(identity(cfg))
@@ -129,6 +140,15 @@ def run(cfg: PipelineConfig) -> StageResult:
         # hashing) again.
         log.info("model: %s is the same checkpoint, recorded by changed code: checking it again", cfg.model.name)
         record = describe(cfg, paths.weights, fp, unchanged)
+    elif (shared := workspace_checkpoint(cfg)) is not None:
+        # A queued DVC experiment's copy has no weights (they are not cached: dvc.yaml); the user's workspace has
+        # them, checked file by file against its record, so 16 GB are linked instead of fetched again.
+        weights, files = shared
+        log.info("model: %s from the DVC workspace's %s (linked)", cfg.model.name, weights)
+        with staged_dir(paths.weights) as tmp:
+            for name in files:
+                link_or_copy(weights / name, tmp / name)
+            record = describe(cfg, tmp, fp, files)
     else:
         log.info("model: materialising %s (%s) into %s", cfg.model.name, identity(cfg)["source"], paths.weights)
         with staged_dir(paths.weights) as tmp:

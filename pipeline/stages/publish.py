@@ -38,7 +38,7 @@ from pipeline.core.fsutil import json_text, sha256_bytes, write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
 from pipeline.core.records import encode
-from pipeline.paths import Paths
+from pipeline.paths import Paths, outliving_dvc
 from pipeline.publishing import index, layout, regression
 from pipeline.publishing.card import render
 from pipeline.publishing.localrepo import LocalRepo
@@ -294,7 +294,8 @@ def on_target(cfg: PipelineConfig, act, what: str) -> tuple[dict, str]:
     its result and where the target is."""
     pub = cfg.publish
     if pub.target == "local":
-        repo_dir = Paths.of(cfg).root / pub.local_dir
+        # A queued DVC experiment runs in a copy DVC deletes afterwards: its versions go to the user's repository.
+        repo_dir = outliving_dvc(Paths.of(cfg).root / pub.local_dir)
         repo_dir.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
             return act(LocalRepo(repo_dir), str(repo_dir)), str(repo_dir.resolve())
