@@ -194,6 +194,15 @@ def test_backend_auto_says_its_choice_once(tmp_path):
     assert (proc.stdout + proc.stderr).count("backend=auto chose") == 1
 
 
+def test_a_shape_the_validation_prompts_cannot_cover_is_refused_before_the_trace(tmp_path):
+    """kv_max 384 with 128-token buckets: no shipped prompt spans two buckets and fits. validate refused it, after the
+    trace and the package (on E4B, hours); now the check runs once the reference is there, before the trace."""
+    proc = cli("+variant=512_fp32", "variant.kv_max=384", f"artifacts_dir={tmp_path}")
+    assert proc.returncode == 1 and "lack one longer than two buckets" in proc.stderr, proc.stderr[-2000:]
+    assert "stage reference: ran" in proc.stderr and "trace: preflight" not in proc.stderr
+    assert not (tmp_path / "gemma4_tiny" / "512_fp32+kv384").exists()
+
+
 def test_a_field_set_to_base_keeps_the_files_value_and_variant_folder_is_one_folder_name(tmp_path):
     """What dvc.yaml's sweep stages pass (params.yaml's sweep): `variant.kv_max=base` is the file's own value, and
     the build goes to variant_folder, a plain folder name under the model's."""
