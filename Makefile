@@ -17,6 +17,14 @@ TORCH_INDEX ?=
 # Both pin every package; regenerate the pins with `make constraints` after changing a range in pyproject.toml.
 VENV_PRODUCTION ?= .venv-production
 VENV_LOWEST ?= .venv-lowest
+# The inf2 DLAMI's Python (Ubuntu 22.04's): the production environment runs it, and its pins and the base lock are
+# resolved for it. PYTHON_PRODUCTION is python$(INF2_PYTHON) on PATH, else the newest pyenv has; set it to choose one.
+# (Each candidate is run: a pyenv shim of that name exists whether or not it can run one.)
+INF2_PYTHON := 3.10
+IS_INF2_PYTHON := -c 'import sys; sys.exit("%d.%d" % sys.version_info[:2] != "$(INF2_PYTHON)")'
+PYTHON_PRODUCTION ?= $(shell for p in python$(INF2_PYTHON) $$(ls -d \
+	$${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(INF2_PYTHON).*/bin/python$(INF2_PYTHON) 2>/dev/null | sort -rV); do \
+	"$$p" $(IS_INF2_PYTHON) 2>/dev/null && { command -v "$$p"; break; }; done)
 # What differs between versions is marked across_versions in the tests (pyproject.toml says which marker means what):
 # the recipe, the cpu backend against transformers' reference, validation's numerics and one variant end to end; the
 # neuron backend on the stand-in SDK and its contract checks (an inf2 host runs torch 2.8); serve (FastAPI, uvicorn,
@@ -55,7 +63,13 @@ test: $(VENV)/.installed
 # tests: with --no-compile (tried) an environment that sets PYTHONDONTWRITEBYTECODE=1, as these machines' shells do,
 # compiled torch again in every process, and make test-production took 8:26 instead of 4:47.
 $(VENV_PRODUCTION)/.installed: pyproject.toml constraints-production.txt
-	$(PYTHON) -m venv $(VENV_PRODUCTION)
+	@"$(PYTHON_PRODUCTION)" $(IS_INF2_PYTHON) 2>/dev/null || { echo "make: no Python $(INF2_PYTHON) for" \
+		"$(VENV_PRODUCTION), the inf2 DLAMI's Python (looked for python$(INF2_PYTHON) on PATH and in pyenv's" \
+		"versions/$(INF2_PYTHON).*; tried: $(or $(PYTHON_PRODUCTION),none)): install one (pyenv install" \
+		"$(INF2_PYTHON), or apt-get install python$(INF2_PYTHON)-venv) or set PYTHON_PRODUCTION=/path/to/it" >&2; \
+		exit 1; }
+	rm -rf $(VENV_PRODUCTION)
+	"$(PYTHON_PRODUCTION)" -m venv $(VENV_PRODUCTION)
 	$(VENV_PRODUCTION)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_PRODUCTION)/bin/python -m pip install --quiet -e '.[dev,xla]' -c constraints-production.txt
 	touch $@
@@ -67,7 +81,7 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
 	touch $@
 
 test-production: $(VENV_PRODUCTION)/.installed
-	$(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "$(VERSION_MARKS)"
+	EXPECT_PYTHON=$(INF2_PYTHON) $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "$(VERSION_MARKS)"
 
 # backend=xla (tests/test_xla.py): the recipe's graphs lowered by torch-xla 2.8 on its CPU device, checked, and run
 # through validate. torch-xla needs the production pins' torch 2.8, so it lives in that environment ([xla] extra).
@@ -118,12 +132,13 @@ container-images: container-base
 test-container: container-base $(VENV)/.installed
 	REQUIRE_CONTAINERS=1 $(PY) -m pytest -q -p no:cacheprovider -m container tests/test_container.py
 
-# Resolve the two pin files again (uv's resolver: lowest-direct for the floors).
+# Resolve the two pin files again (uv's resolver: lowest-direct for the floors; the production pins for INF2_PYTHON,
+# which .venv-production runs).
 constraints: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
 	$(PY) -c "import tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
 		print('\n'.join(r for r in x['neuron'] if r.startswith(('torch==', 'transformers=='))))" > .production-input.txt
-	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra xla --python-version 3.11 \
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra xla --python-version $(INF2_PYTHON) \
 		--python-platform x86_64-manylinux_2_28 --constraint .production-input.txt \
 		--no-emit-package gemma4-neuron-pipeline -o constraints-production.txt
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --resolution lowest-direct --python-version 3.11 \
@@ -140,20 +155,20 @@ lock: $(VENV)/.installed
 		print('\n'.join([r for r in n['neuron'] if r.startswith(('torch==', 'transformers=='))] \
 		+ x['build-system']['requires']))" > .lock-input.txt
 	$(VENV)/bin/uv pip compile pyproject.toml .lock-input.txt --extra s3 --extra serve --generate-hashes --universal \
-		--python-version 3.10 --no-emit-package gemma4-neuron-pipeline --custom-compile-command 'make lock' \
+		--python-version $(INF2_PYTHON) --no-emit-package gemma4-neuron-pipeline --custom-compile-command 'make lock' \
 		-o deploy/lock/inf2-base.txt
 	rm -f .lock-input.txt
 
 # The production path rehearsed (tests/test_rehearsal.py): deploy/rebuild.sh on a checkout set up for release (E4B's
-# checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote). About 4 minutes.
+# checkpoint layout, the neuron stand-in, hardware=inf2_8xlarge, signing, the test Hub, a DVC remote).
 test-rehearsal: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow -p no:cacheprovider tests/test_rehearsal.py
 
 # The full-size rehearsal (bench/rehearse_e4b.py, docs/full-size.md): a Gemma-4-E4B-shaped checkpoint with random
 # weights (15 GB, written here), then every stage of 512_bf16 and 512_bf16_host at tp_degree 2 on the cpu backend, a
 # local publish, pull, serve through the openai client, and the baselines (transformers' bf16 generate, tar with zstd),
-# every process's peak memory and the disk's high-water mark measured. About 25 minutes and 75 GB of free disk on a
-# 2-core, 24 GiB machine; not part of .ci/run. Writes $(REHEARSAL_DIR)/artifacts/rehearsal.json.
+# every process's peak memory and the disk's high-water mark measured. Needs 75 GB of free disk (its time:
+# docs/testing.md); not part of .ci/run. Writes $(REHEARSAL_DIR)/artifacts/rehearsal.json.
 REHEARSAL_DIR ?= /tmp/rehearse-e4b
 rehearse-e4b: $(VENV)/.installed
 	$(PY) bench/rehearse_e4b.py --out $(REHEARSAL_DIR)

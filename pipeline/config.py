@@ -310,6 +310,9 @@ class ThroughputConfig:
     decode_tokens: int = 16
     runs: int = 2
     warmup_runs: int = 1
+    decode_threads: int = 1
+    """torch's threads on the host for each decode step (validation/generation.py DECODE_THREADS, the default:
+    bench/decode_threads.py measured the choice)."""
     floors: dict[Backend, dict[str, FloorConfig]] = field(default_factory=dict)
     """``floors.<backend>.<hardware>``; the hardware name ``any`` matches every hardware of that backend."""
 
@@ -326,7 +329,8 @@ class ThroughputConfig:
 
     def problems(self) -> list[str]:
         found = [f"validate.throughput.{key}={value} must be at least 1" for key, value in
-                 (("short_tokens", self.short_tokens), ("decode_tokens", self.decode_tokens), ("runs", self.runs))
+                 (("short_tokens", self.short_tokens), ("decode_tokens", self.decode_tokens), ("runs", self.runs),
+                  ("decode_threads", self.decode_threads))
                  if value < 1]
         if self.warmup_runs < 0:
             found.append(f"validate.throughput.warmup_runs={self.warmup_runs} must be 0 or more")

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+try:
+    import tomllib  # noqa: F401 (re-exported for the tests)
+except ModuleNotFoundError:  # Python 3.10, the inf2 DLAMI's (make test-production): tomli is what became tomllib
+    import tomli as tomllib  # noqa: F401 (re-exported for the tests)
+
 from hydra import compose, initialize_config_dir
 
 from pipeline.artifact.manifest import SCHEMA_VERSION, Manifest

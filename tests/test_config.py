@@ -81,6 +81,7 @@ def test_params_yaml_lists_only_existing_variants():
     ("publish.repo_id='not a repo'", "publish.repo_id='not a repo' must look like"),
     ("stage=compile", "stage='compile' is not one of"),
     ("validate.max_new_tokens=0", "validate.max_new_tokens=0 must be at least 1"),
+    ("validate.throughput.decode_threads=0", "validate.throughput.decode_threads=0 must be at least 1"),
     ("model.revision=main", "model.revision='main' must pin a commit (40 hex digits)"),
     ("model.source=git", "model.source='git' is not one of ['tiny', 'hub']"),
     ("publish.target=s3", "publish.target='s3' is not one of ['local', 'hub']"),

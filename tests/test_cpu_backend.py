@@ -71,6 +71,33 @@ def builds(tiny_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_decode_step_runs_with_the_threads_it_is_given(threads):
+    """validate.throughput.decode_threads (and --decode-threads) reach each step, the device prefill's host work
+    included, and are what validation.json records; the count is restored after."""
+    seen = []
+
+    class Runner:
+        shape = BuildShape(kv_max=64, bucket=16, dtype="fp32", prefill="device", tp_degree=2)
+
+        def reset(self):
+            pass
+
+        def prefill(self, *inputs):
+            seen.append(torch.get_num_threads())
+            return torch.zeros(1, 8), torch.tensor([3])
+
+        decode = prefill
+
+    def embed(ids):
+        return torch.zeros(1, len(ids), 4), torch.zeros(1, len(ids), 2, 2)
+
+    before = torch.get_num_threads()
+    gen = Generator(Runner(), embed, (7,), 0, decode_threads=threads)
+    assert [s.token for s in gen.steps([1, 2, 3], 3)] == [3, 3, 3]
+    assert seen == [threads] * 3 and gen.threads["decode"] == threads and torch.get_num_threads() == before
+
+
 # tp_degree 2 is what ships; tp_degree 1 (also run by the neuron stand-in's end-to-end tests) only in `make test-slow`.
 @pytest.mark.parametrize(("tp", "prefill"), [pytest.param(1, "device", marks=pytest.mark.slow), (2, "device"),
                                              pytest.param(1, "host", marks=pytest.mark.slow), (2, "host")])

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-import tomllib
 import torch
 
 from pipeline.backends import neuron_sdk
@@ -38,7 +37,7 @@ from pipeline.config import available_variants
 from pipeline.core.shape import BuildShape
 
 from .contracts import extract_nxd_api as extract
-from .helpers import CONF, neuron_config
+from .helpers import CONF, neuron_config, tomllib
 
 # What differs between versions: the neuron backend's graphs and checkpoint on torch.
 # make test-production runs these, and make test-lowest where a distribution named is at another version than

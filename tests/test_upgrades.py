@@ -405,7 +405,7 @@ def test_the_docs_and_the_workflow_install_with_the_script_and_the_base_lock_fol
     assert all("Do not install" in para for para in docs.split("\n\n") if "--extra-index-url" in para)
     # The base lock: every file hash-pinned, every dependency of pyproject.toml's [project], [s3] and [serve]
     # satisfied, torch and transformers at the [neuron] extra's pins, the build backend present.
-    import tomllib
+    from .helpers import tomllib
 
     project = tomllib.loads((root / "pyproject.toml").read_text())
     lock = (root / "deploy" / "lock" / "inf2-base.txt").read_text()

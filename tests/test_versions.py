@@ -9,19 +9,20 @@ the declared range is refused before any work.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 from pipeline.core import versions
 from pipeline.core.errors import CheckpointError, ConfigError, UnsupportedModelError
 from pipeline.recipe.spec import PER_LAYER_CONFIG_SINCE, reads_per_layer_config, spec_from_config
 
-from .helpers import config, run
+from .helpers import config, run, tomllib
 
 # Every version environment runs these (the mark names no distribution: they depend on many).
 pytestmark = pytest.mark.across_versions
@@ -177,6 +178,20 @@ def test_the_production_environment_is_the_neuron_extras_torch_and_transformers(
     assert re.fullmatch(r"\d+\.\d+\.\d+", pins["transformers"])
     assert len(pins) > 20  # a resolved environment, every package pinned
 
+
+
+def test_the_production_pins_the_base_lock_and_the_production_environment_are_the_inf2_hosts_python():
+    """The inf2 DLAMI (Ubuntu 22.04) runs Python 3.10: the Makefile's INF2_PYTHON says so once; the production pins and
+    the base lock are resolved for it, and make test-production runs in it (EXPECT_PYTHON, which only that target
+    sets)."""
+    makefile = (REPO / "Makefile").read_text()
+    inf2 = re.search(r"^INF2_PYTHON := (\S+)$", makefile, re.M).group(1)
+    assert makefile.count("--python-version $(INF2_PYTHON)") == 2  # make constraints (production) and make lock
+    header = (REPO / "constraints-production.txt").read_text().splitlines()[1]
+    assert f"--python-version {inf2} " in header, header
+    expected = os.environ.get("EXPECT_PYTHON")
+    if expected is not None:
+        assert expected == inf2 and f"{sys.version_info.major}.{sys.version_info.minor}" == inf2, sys.version
 
 
 class MarkedTest:

@@ -20,20 +20,20 @@ from pathlib import Path
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
-from pipeline.cli import plain
+from pipeline.cli import add_decode_threads, plain
 from pipeline.cli.pull import host_toolchain, judged
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 from pipeline.serving.engine import require_tokenizer, text_prefix_of
-from pipeline.validation.generation import Generator, new_tokens_problem
+from pipeline.validation.generation import DECODE_THREADS, Generator, new_tokens_problem
 from pipeline.validation.prompts import chat_ids
 
 DEFAULT_NEW_TOKENS = 64  # when --max-new-tokens is not given: this many, or what the cache holds if fewer
 
 
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int | None,
-             text_prefix: str | None, verify_full: bool = False) -> dict:
+             text_prefix: str | None, verify_full: bool = False, decode_threads: int = DECODE_THREADS) -> dict:
     from transformers import AutoTokenizer
 
     from pipeline.recipe.checkpoint import Checkpoint
@@ -57,7 +57,8 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
         ckpt.verify(spec)
         host = HostPrefill(ckpt, spec, shape.kv_max, shape.torch_dtype) if shape.prefill == "host" else None
         with get_backend(manifest.backend).load(build, shape) as runner:
-            gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+            gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
+                            decode_threads=decode_threads)
             out = gen.generate(ids, new_tokens)
     tokens = [t for t in out.tokens if t not in spec.eos_token_ids]
     decode_s = sum(out.decode_s)
@@ -80,11 +81,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     parser.add_argument("--verify-full", action="store_true",
                         help="hash every rank file, even where pull's record vouches for them")
+    add_decode_threads(parser)
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
         result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix,
-                          args.verify_full)
+                          args.verify_full, args.decode_threads)
     print(result["text"])
     if is_tiny(args.checkpoint):
         log.warning("generate: %s", MEANINGLESS)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
-from pipeline.cli import plain
+from pipeline.cli import add_decode_threads, plain
 from pipeline.cli.pull import add_trust_flags, host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
@@ -194,6 +194,7 @@ def arguments() -> argparse.ArgumentParser:
                         help=f"seconds a request's body may take to arrive; past it: 408 (default "
                              f"{DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
+    add_decode_threads(parser)
     return parser
 
 
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> int:
         sock = take_port(args.host, args.port)
         try:
             rank_dir = obtain(args)
-            engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix)
+            engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix, args.decode_threads)
             how = engine.verify(args.verify_full and is_rank_dir(args.source))  # pull has just hashed the others
             log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
                      engine.version, how, args.host, sock.getsockname()[1])

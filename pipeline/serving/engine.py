@@ -36,7 +36,7 @@ from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
 from pipeline.serving.sampling import Sampler, TokenLogprob
-from pipeline.validation.generation import Generator
+from pipeline.validation.generation import DECODE_THREADS, Generator
 from pipeline.validation.prompts import messages_ids
 
 WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
@@ -132,10 +132,12 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 class Engine:
     """A loaded build. ``load`` and ``close`` bracket its life; ``decode`` is called from one thread at a time."""
 
-    def __init__(self, rank_dir: Path, checkpoint: Path, text_prefix: str | None = None):
+    def __init__(self, rank_dir: Path, checkpoint: Path, text_prefix: str | None = None,
+                 decode_threads: int = DECODE_THREADS):
         self.rank_dir = rank_dir
         self.checkpoint = checkpoint
         self.text_prefix = text_prefix
+        self.decode_threads = decode_threads
         self.manifest = Manifest.read(manifest_of(rank_dir))
         self.version: str = self.manifest.version
         self.shape: BuildShape = self.manifest.shape
@@ -180,7 +182,8 @@ class Engine:
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
         runner = GuardedRunner(self._stack.enter_context(get_backend(self.manifest.backend).load(self.build,
                                                                                                   self.shape)))
-        self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+        self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
+                                   decode_threads=self.decode_threads)
         started = time.perf_counter()
         for _ in self.decode(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, (), threading.Event()):
             pass

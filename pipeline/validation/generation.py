@@ -73,8 +73,10 @@ def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
 
 
 DECODE_THREADS = 1
-"""torch's threads on the host while decoding: a step only looks up two embedding rows and takes an argmax of the
-returned logits; more threads contend with the ranks (the cpu backend's processes, the Neuron runtime's threads)."""
+"""torch's threads on the host while decoding, unless the caller sets another count (validate.throughput.
+decode_threads, generate's and serve's --decode-threads): a step only looks up two embedding rows and takes an
+argmax of the returned logits, and more threads contend with the ranks (the cpu backend's processes, the Neuron
+runtime's threads). bench/decode_threads.py measures 1, 2 and every usable CPU side by side (docs/performance.md)."""
 
 
 def host_prefill_threads() -> int:
@@ -97,10 +99,12 @@ def torch_threads(count: int) -> Iterator[None]:
 
 class Generator:
     """Greedy generation over a loaded build. The thread policy is per phase: host prefill with every usable CPU
-    (``prefill_threads``), decode steps with ``DECODE_THREADS``; both are recorded by validation (``threads``)."""
+    (``prefill_threads``), decode steps with ``decode_threads`` (``DECODE_THREADS``); both are recorded by validation
+    (``threads``)."""
 
     def __init__(self, runner: RankRunner, embed: HostEmbeddings, eos_ids: tuple[int, ...], pad_id: int,
-                 host_prefill: HostPrefill | None = None, prefill_threads: int | None = None):
+                 host_prefill: HostPrefill | None = None, prefill_threads: int | None = None,
+                 decode_threads: int = DECODE_THREADS):
         self.runner = runner
         self.shape: BuildShape = runner.shape
         self.embed = embed
@@ -110,12 +114,13 @@ class Generator:
             raise ValueError("a prefill=host build needs the host's prefill model (HostPrefill)")
         self.host_prefill = host_prefill
         self.prefill_threads = prefill_threads or host_prefill_threads()
+        self.decode_threads = decode_threads
 
     @property
     def threads(self) -> dict[str, int]:
         """The thread policy, as validation.json records it."""
         return {"host_prefill": self.prefill_threads if self.shape.prefill == "host" else 0,
-                "decode": DECODE_THREADS, "usable_cpus": usable_cpus()}
+                "decode": self.decode_threads, "usable_cpus": usable_cpus()}
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.shape.prefill == "host":
@@ -143,7 +148,7 @@ class Generator:
         steps = len(forced) if forced is not None else max_new_tokens
         check_fits(len(prompt), steps, self.shape)
         started = time.perf_counter()
-        with torch_threads(DECODE_THREADS):  # the device prefill's host work, and every decode step below
+        with torch_threads(self.decode_threads):  # the device prefill's host work, and every decode step below
             logits, token, calls = self._prefill(prompt)
             token = choose(logits.view(-1)) if choose else int(token)
         yield Step(token, logits.view(-1), time.perf_counter() - started, calls)
@@ -153,7 +158,7 @@ class Generator:
             if forced is None and fed in self.eos_ids:
                 return
             t0 = time.perf_counter()
-            with torch_threads(DECODE_THREADS):
+            with torch_threads(self.decode_threads):
                 embeds, per_layer = self.embed([fed])
                 logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
                 token = choose(logits.view(-1)) if choose else int(token)

@@ -303,7 +303,8 @@ def run_job(job: ValidationJob) -> Measured:
                 log.info("validate: archive verified and unpacked in %.1f s, ranks loaded in %.1f s",
                          unpacked - started, loaded - unpacked)
                 gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
-                gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host)
+                gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
+                                decode_threads=job.throughput.decode_threads)
                 first = reference["prompts"][chosen[0]]["input_ids"]
                 for _ in range(job.warmup_prompts):
                     gen.generate(first, max_new)  # first-call costs, never timed
