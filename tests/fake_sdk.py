@@ -98,6 +98,7 @@ def env(dest: Path, cores: int = 2) -> dict[str, str]:
         "GEMMA4_NEURON_LOCK_DIR": str(dest / "leases"),
         "GEMMA4_DMI_PRODUCT_NAME_FILE": str(dest / "dmi_product_name"),
         "FAKE_NEURON_TRACE_PORT": str(trace_port()),
+        "NEURON_COMPILE_CACHE_URL": str(dest / "compile-cache"),  # the stand-in's, not /var/tmp's
     }
 
 

@@ -248,6 +248,53 @@ def test_model_builder_deletes_its_work_folder_even_when_it_is_the_current_direc
     assert "FILES ['tp0_sharded_checkpoint.safetensors', 'tp1_sharded_checkpoint.safetensors']" in beside.stdout
 
 
+CACHED_BUILD = INPUTS + """
+import os, sys, torch
+from torch import nn
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
+from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = ColumnParallelLinear(4, 8, bias=False, gather_output=True)
+        self.register_buffer("scale", torch.ones(1))  # persistent: a state_dict key
+    def forward(self, a, b, c, d):
+        return self.proj(a[..., :4] + 1).sum(-1) * self.scale
+
+workdir, weights = sys.argv[1], {"proj.weight": torch.ones(8, 4)}
+if sys.argv[2] == "with-buffer":
+    weights["scale"] = torch.full((1,), 3.0)
+seen = []
+builder = ModelBuilder(router=None, tp_degree=2, checkpoint_loader=lambda: weights, compiler_workdir=workdir,
+                       compiler_flag_hook=lambda key, artifacts, bucket, flags: seen.append(flags) or flags)
+builder.add("decode", BaseModelInstance(Scaled, {}), [inputs(1)], compiler_args="--auto-cast=none")
+model = builder.trace(initialize_model_weights=True)
+log = os.path.join(workdir, "decode", "_tp0_bk0", "log-neuron-cc.txt")
+print("LOG", os.path.exists(log), "FLAGS", seen, "OUT", float(model(*inputs(1))[0].flatten()[0]))
+"""
+
+
+def test_model_builder_compiles_through_the_cache_and_loads_persistent_buffers_as_weights(sdk, tmp_path):
+    """NxD v2.28.0 compiles every bucket with use_cache=True (model_builder.py ~603-624): the same graph, flags and
+    work folder again is a cache hit, with no compiler run and no log, while compiler_flag_hook (~724) is handed the
+    same final flags both times. A persistent buffer is a state_dict key, a weight the checkpoint must hold (the
+    stricter reading of what torch-neuronx does with one)."""
+    cache = {"NEURON_COMPILE_CACHE_URL": str(tmp_path / "cache")}
+    code = textwrap.dedent(CACHED_BUILD)
+    run = [sys.executable, "-c", code, str(tmp_path / "wd")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]), **cache}
+    first = subprocess.run([*run, "with-buffer"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    again = subprocess.run([*run, "with-buffer"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+    said = [re.search(r"^LOG (\w+) FLAGS (.*) OUT (\S+)$", p.stdout, re.M).groups() for p in (first, again)]
+    assert [s[0] for s in said] == ["True", "False"]  # compiled, then a hit: no log
+    assert said[0][1] == said[1][1] and "--logfile=" in said[0][1] and "--verbose=35" in said[0][1]
+    assert said[0][2] == said[1][2] == "96.0"  # 8 outputs of 4 ones x ones, times the checkpoint's scale 3, not 1
+    missing = subprocess.run([*run, "no-buffer"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert missing.returncode != 0 and "checkpoint has no weight scale" in missing.stderr, missing.stderr[-2000:]
+
+
 def test_two_parallel_model_traces_at_once_collide_on_the_fixed_port(sdk, tmp_path):
     code = """
 import functools, torch

@@ -435,13 +435,34 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert any(a.startswith("--logfile=<workdir>/model_builder/prefill/_tp0_bk0/") for a in added), added
     assert sorted(build["trace"]["compiler_commands"]) == ["model_builder/decode/_tp0_bk0/log-neuron-cc.txt",
                                                            "model_builder/prefill/_tp0_bk0/log-neuron-cc.txt"]
+    # The flags ModelBuilder passed, from its compiler_flag_hook: what a compile-cache hit records too
+    assert build["trace"]["compile_cache"] == {"decode/_tp0_bk0": "compiled", "prefill/_tp0_bk0": "compiled"}
+    assert build["trace"]["compiler_flags"] == {
+        f"{key}/_tp0_bk0": build["trace"]["effective_compiler_args"]
+        + [f"--logfile=<workdir>/model_builder/{key}/_tp0_bk0/log-neuron-cc.txt"] for key in ("decode", "prefill")}
     assert build["trace"]["workdir_bytes"] >= manifest["members"][0]["size"] * 0.5  # two rank slices of the weights
     memory = build["trace"]["device_memory_estimate"]
     assert 0 < memory["total"] < memory["neuroncore_hbm"] == 16
     parity = json.loads((variant_dir / "validation.json").read_text())["parity"]
-    # Token for token: the stand-in loads parameters only, so this passes only if layer_scalar was copied by hand;
-    # and the load passes only with torch_neuronx imported first.
+    # Token for token: the stand-in loads every weight, the layer_scalar buffers among them, from the checkpoint it
+    # is given (a missing one is a KeyError); and the load passes only with torch_neuronx imported first.
     assert parity["mode"] == "exact" and parity["passed"] and parity["prompts"] == 3
+
+
+def test_a_compile_cache_hit_records_the_same_flags_and_says_it_was_a_hit():
+    """NxD compiles with use_cache=True: on a hit neuronx-cc writes no log, so compiler_commands lacks that bucket;
+    the flags come from ModelBuilder's hook either way, and compile_cache says which bucket was compiled."""
+    from pipeline.backends.neuron import compile_cache, passed_flags
+
+    workdir = Path("/scratch/compile-gemma4_tiny-512_fp32")
+    passed = {f"{key}/_tp0_bk0": f"--auto-cast=none -O1 --verbose=35 --logfile={workdir}/model_builder/{key}/_tp0_bk0/"
+              "log-neuron-cc.txt" for key in ("prefill", "decode")}
+    logged = {"model_builder/prefill/_tp0_bk0/log-neuron-cc.txt": ["compile", "graph.hlo", "--framework", "XLA"]}
+    assert compile_cache(passed, logged) == {"decode/_tp0_bk0": "cache hit", "prefill/_tp0_bk0": "compiled"}
+    assert compile_cache(passed, {}) == {"decode/_tp0_bk0": "cache hit", "prefill/_tp0_bk0": "cache hit"}
+    assert passed_flags(passed, workdir)["decode/_tp0_bk0"] == [
+        "--auto-cast=none", "-O1", "--verbose=35",
+        "--logfile=<workdir>/model_builder/decode/_tp0_bk0/log-neuron-cc.txt"]
 
 
 def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_checked):

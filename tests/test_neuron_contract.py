@@ -249,10 +249,12 @@ def test_the_alias_map_names_the_modules_own_parameters_in_output_order(tiny_dir
     assert all(isinstance(p, torch.nn.Parameter) and id(p) in own for p in aliases)
     assert [own[id(p)] for p in aliases] == [f"decoder.{n}" for n in decoder.cache_names()]  # insertion = output order
     assert list(aliases.values()) == list(range(1, len(aliases) + 1))
-    # ModelBuilder's checkpoint: exactly the parameters that are not state, in their dtypes
+    # ModelBuilder's checkpoint: exactly the state_dict's tensors that are not state (the persistent layer_scalar
+    # buffers with the parameters: NxD trims a checkpoint to state_dict keys), in their dtypes
     shape = BuildShape(64, 16, "bf16", "device", 2)
     checkpoint = full_checkpoint(make_job(_ref(tiny_dir), shape, [], tmp_path / "o", tmp_path / "w", 0, None))
-    weights = {name: p for name, p in rank.named_parameters() if id(p) not in {id(a) for a in aliases}}
+    weights = {name: p for name, p in rank.state_dict(keep_vars=True).items() if id(p) not in {id(a) for a in aliases}}
+    assert any(name.endswith("layer_scalar") for name in weights)
     assert set(checkpoint) == set(weights)
     assert {n: t.dtype for n, t in checkpoint.items()} == {n: p.dtype for n, p in weights.items()}
 

@@ -218,6 +218,24 @@ def compiler_commands(workdir: Path) -> dict[str, list[str]]:
     return found
 
 
+def passed_flags(passed: dict[str, str], workdir: Path) -> dict[str, list[str]]:
+    """The flags ModelBuilder passed per bucket (its ``compiler_flag_hook``: the same on a compile-cache hit and a
+    miss), split like a shell, paths inside ``workdir`` written as ``<workdir>/...``."""
+    return {bucket: [w.replace(str(workdir), "<workdir>") for w in shlex.split(flags)]
+            for bucket, flags in sorted(passed.items())}
+
+
+def compile_cache(passed: dict[str, str], commands: dict[str, list[str]]) -> dict[str, str]:
+    """Per bucket, ``compiled`` when neuronx-cc ran (its log is under the bucket's folder) or ``cache hit`` (NxD
+    compiles with ``use_cache=True``, v2.28.0 model_builder.py ~603-624: on a hit neuronx-cc does not run and writes
+    no log, so ``compiler_commands`` and ``sdk_added_args`` have nothing of that bucket)."""
+    from pipeline.backends.neuron_rank import MODEL_BUILDER_DIR
+
+    logged = {Path(log_path).parent.as_posix() for log_path in commands}
+    return {bucket: "compiled" if f"{MODEL_BUILDER_DIR}/{bucket}" in logged else "cache hit"
+            for bucket in sorted(passed)}
+
+
 def sdk_added_args(commands: dict[str, list[str]], ours: list[str]) -> list[str]:
     """The options the SDK added to ours in any compile (``--framework XLA``, ``--target inf2``, ``--logfile=...``,
     ModelBuilder's defaults ...), each with its value, in their first order of appearance."""
@@ -385,6 +403,8 @@ class NeuronBackend:
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
             "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args)),
+            "compiler_flags": passed_flags(result.get("compiler_flags", {}), workdir),
+            "compile_cache": compile_cache(result.get("compiler_flags", {}), commands),
             "compiler_commands": commands,
             "sdk_added_args": sdk_added_args(commands, list(request.compiler_args)),
             "workdir_bytes": workdir_bytes,

@@ -16,8 +16,8 @@ ModelBuilder plan.
 - Device prefill: ``ModelBuilder`` with a ``prefill`` key (bucket tokens) and a ``decode`` key (one token) over one
   ``RankInstance``, so both graphs share one weight set and one KV state; ``full_checkpoint(job)`` reads the
   rank-side tensors at full size from the safetensors files (ModelBuilder cuts each rank's slice itself, along the
-  same dimensions as ``ShardPlan``); ``layer_scalar`` buffers are copied in by hand when the module is built, since
-  ModelBuilder's sharding loads parameters only. The traced executor is saved as one file, ``model.pt``.
+  same dimensions as ``ShardPlan``), the ``layer_scalar`` buffers among them, which are also copied in by hand when
+  the module is built (``full_checkpoint`` says why both). The traced executor is saved as one file, ``model.pt``.
 
 ``python -m pipeline.backends.neuron_rank JOB.json RESULT.json`` runs one trace (the neuron backend starts it in its
 own process group, so an out-of-memory kill or an interruption takes down the compiler with it and nothing else).
@@ -52,7 +52,6 @@ DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
 HOST_PREFILL_API = "neuronx_distributed.trace.parallel_model_trace"
 NXD_MODEL_FILE = "model.pt"
 MODEL_BUILDER_DIR = "model_builder"  # ModelBuilder's compiler_workdir, inside the compile's work directory
-BUFFERS = ("layer_scalar",)  # checkpoint tensors the recipe holds as buffers (pipeline/recipe/model.py)
 
 
 # -- the parallel primitives ------------------------------------------------------------------------------------------
@@ -144,8 +143,9 @@ def build_aliased_rank(job: dict, rank: int | None) -> AliasedRank:
     """The rank module on neuronx-distributed's layers.
 
     ``rank`` given (host prefill): every weight of that rank, sliced from the safetensors files, copied in.
-    ``rank`` None (ModelBuilder): the structure only, its weights come from ``full_checkpoint``; but ``layer_scalar``
-    is a buffer, which ModelBuilder's sharding never loads, so it is copied in here by hand.
+    ``rank`` None (ModelBuilder): the structure only, its weights come from ``full_checkpoint``; ``layer_scalar`` is
+    a buffer, which ModelBuilder's sharding does not modify, so it is also copied in here by hand (a graph that folds
+    it as a constant takes this value).
     """
     from pipeline.recipe.model import RankDecoder
     from pipeline.recipe.plan import ShardPlan, load_rank_state
@@ -185,9 +185,14 @@ def copy_state(decoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
-    """ModelBuilder's checkpoint: every rank-side parameter at full size and in its dtype, named as
-    ``AliasedRank.named_parameters()`` names it, and nothing else (ModelBuilder shards and loads parameters only;
-    the ``layer_scalar`` buffers are copied in by hand when the module is built, see ``build_aliased_rank``).
+    """ModelBuilder's checkpoint: every rank-side tensor of ``AliasedRank.state_dict()`` at full size and in its
+    dtype, the ``layer_scalar`` buffers (fp32) included. NxD keeps every state_dict key it is given and passes a
+    key it does not shard whole to each rank (v2.28.0 trace/trace.py ``preprocess_checkpoint`` ~628-644,
+    ``shard_children`` ~773-774); whether torch-neuronx makes a read-only persistent buffer a weight input of the
+    graph or folds it as a constant is closed source, and a weight input the checkpoint lacked would be skipped in
+    silence at sharding. So the buffers are in the checkpoint (right either way: unused keys are tolerated, every graph
+    of a ModelBuilder shares one weight set) and also copied in by hand when the module is built
+    (``build_aliased_rank``: right for a folded constant). docs/inf2-host.md's first-run checklist asks which it is.
 
     Read straight from the safetensors files (``from_pretrained`` would trip ModelBuilder's meta-device parameter
     patching); the embedding tables stay on the host.
@@ -199,7 +204,7 @@ def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
     spec = load_spec(job["checkpoint"]["directory"])
     with job_checkpoint(job) as ckpt:
         whole = load_rank_state(ckpt, ShardPlan(spec, 1), 0, shape.torch_dtype)
-    return {"decoder." + name: tensor for name, tensor in whole.items() if not name.endswith(BUFFERS)}
+    return {"decoder." + name: tensor for name, tensor in whole.items()}
 
 
 def host_prefill_rank(job: dict) -> tuple[nn.Module, dict]:
@@ -285,7 +290,8 @@ def trace_host_prefill(job: dict) -> None:
     parallel_model_save(model, job["out_dir"])
 
 
-def trace_device_prefill(job: dict) -> None:
+def trace_device_prefill(job: dict) -> dict[str, str]:
+    """ModelBuilder's build of both graphs, saved as ``model.pt``; returns the compiler flags NxD passed per bucket."""
     from neuronx_distributed.trace.model_builder import ModelBuilder
 
     from pipeline.recipe.spec import load_spec
@@ -295,8 +301,18 @@ def trace_device_prefill(job: dict) -> None:
     # A folder of its own inside the work directory, never the work directory itself: ModelBuilder.trace deletes its
     # compiler_workdir first (NxD v2.28.0 trace/model_builder.py:543-545), and the work directory is this process's
     # current directory, where the compiler processes it starts run (they inherit it).
+    passed: dict[str, str] = {}
+
+    def record_flags(key, model_artifacts, bucket_rank, flags):
+        # What NxD hands the compiler for each bucket, its defaults and --logfile included; called on a compile-cache
+        # hit too (v2.28.0 model_builder.py ~720-733: after --logfile is added, before the cache lookup), where
+        # neuronx-cc does not run and writes no log to read them from. Returned unchanged.
+        passed[f"{key}/_tp0_bk{bucket_rank}"] = flags
+        return flags
+
     builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
-        full_checkpoint, job), compiler_workdir=str(Path(job["workdir"]) / MODEL_BUILDER_DIR))
+        full_checkpoint, job), compiler_workdir=str(Path(job["workdir"]) / MODEL_BUILDER_DIR),
+        compiler_flag_hook=record_flags)
     instance = RankInstance(job)
     for key, tokens in model_builder_plan(shape):
         builder.add(key, instance, [example_inputs(spec, tokens)],
@@ -308,6 +324,7 @@ def trace_device_prefill(job: dict) -> None:
     # the work files are gone.
     with reporting_full_disk(path, "trace: saving the ModelBuilder model"):
         save_torchscript(traced, path, strip=False)
+    return passed
 
 
 def stop_with_parent() -> None:
@@ -334,9 +351,11 @@ def main(argv: list[str]) -> int:
     try:
         if job_shape(job).prefill == "host":
             trace_host_prefill(job)
+            passed = {}  # parallel_model_trace takes no flag hook: its flags are read from the compiler's log alone
         else:
-            trace_device_prefill(job)
-        result = {"ok": True, "seconds": round(time.monotonic() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
+            passed = trace_device_prefill(job)
+        result = {"ok": True, "seconds": round(time.monotonic() - started, 3), "peak_rss_bytes": peak_rss_bytes(),
+                  "compiler_flags": passed}
     except BaseException as exc:  # noqa: BLE001 - reported to the stage process, which raises
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     atomic_write_json(argv[1], result)

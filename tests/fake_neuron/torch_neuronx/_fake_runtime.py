@@ -19,7 +19,10 @@ Registered when ``torch_neuronx`` is imported, as the real ops are (a file that 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
+import shlex
 import tempfile
 import threading
 from pathlib import Path
@@ -193,7 +196,6 @@ def compile_graph(hlo: Path, neff: Path, flags, target: str = "inf2") -> list[st
       working directory.
     """
     import datetime
-    import shlex
 
     cwd = os.getcwd()
     args = shlex.split(flags) if isinstance(flags, str) else list(flags or [])
@@ -207,4 +209,26 @@ def compile_graph(hlo: Path, neff: Path, flags, target: str = "inf2") -> list[st
     with open(log, "a") as out:
         out.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}.000 INFO {os.getpid()} [root]: "
                   f"{shlex.join(command)}\n")
+    return command
+
+
+DEFAULT_CACHE = "/var/tmp/neuron-compile-cache"  # the Neuron docs' default (neuron-caching.rst), without the variable
+
+
+def compile_cached(graph: str, hlo: Path, neff: Path, flags: str) -> list[str] | None:
+    """libneuronxla's ``neuron_xla_compile(..., use_cache=True)`` as ModelBuilder calls it for every bucket (NxD
+    v2.28.0 model_builder.py ~603-624, hard-coded on): the entry is keyed on the graph and its flags with spaces
+    removed (``get_hash_module``, ~93-101: the flags hold the absolute ``--logfile``, so a hit needs the same work
+    folder path) under ``$NEURON_COMPILE_CACHE_URL``. On a hit the compiler does not run and writes no log (the Neuron
+    docs' caching page: "Using a cached neff ... Exiting with a successfully compiled graph"); returns None then, else
+    the command ``compile_graph`` ran. The entry holds ``compile_flags.json`` (a JSON list) and ``model.done``, as
+    the cache's layout does."""
+    key = hashlib.sha256((graph + flags.replace(" ", "")).encode()).hexdigest()[:20]
+    entry = Path(os.environ.get("NEURON_COMPILE_CACHE_URL", DEFAULT_CACHE)) / "neuronxcc-fake" / f"MODULE_{key}"
+    if (entry / "model.done").is_file():
+        return None
+    command = compile_graph(hlo, neff, flags)
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / "compile_flags.json").write_text(json.dumps(shlex.split(flags)))
+    (entry / "model.done").write_text("")
     return command

@@ -5,14 +5,18 @@ What it does as the real one does (line numbers at v2.28.0):
   torch-neuronx that is not 2.x (~457).
 - ``add`` passes ``compiler_args`` through ``append_default_compiler_flags`` (~104-124): a string, the seed's flags
   kept, ``--auto-cast=none`` / ``-O1`` / ``--verbose=35`` appended when absent; a list raises ``TypeError``.
-- ``trace`` deletes ``compiler_workdir`` first (~545), runs each graph's compiler (``_fake_runtime.compile_graph``:
-  in the current directory, which must still exist; its log under ``<workdir>/<key>/_tp0_bk0/`` with the
-  ``--logfile`` the real one adds, ~720), writes every rank's slice of the checkpoint (cut along each parallel weight's
-  ``partition_dim``) into ``<workdir>/tp{rank}_sharded_checkpoint.safetensors`` and loads it back from there
-  (``initialize_model_weights``, ~764-773, ~984), builds every key's module from its instance (``load_module()``
-  then ``get(0)``) and traces each rank ahead of time in this process (collectives only produce shapes, as under
-  ``mock_distributed``). Only **parameters** are loaded from the checkpoint (buffers keep what ``load_module``
-  gave them); aliased parameters (the state) start at zero (``StateInitializer``).
+- ``trace`` deletes ``compiler_workdir`` first (~545), gives each graph's final flags to ``compiler_flag_hook`` (~724,
+  on a cache hit too) and compiles it through the compile cache, always on (``_fake_runtime.compile_cached``: a hit
+  runs no compiler and writes no log; a miss runs it in the current directory, which must still exist, its log under
+  ``<workdir>/<key>/_tp0_bk0/`` with the ``--logfile`` the real one adds, ~720), writes every rank's slice of the
+  checkpoint (cut along each parallel weight's ``partition_dim``) into
+  ``<workdir>/tp{rank}_sharded_checkpoint.safetensors`` and loads it back from there (``initialize_model_weights``,
+  ~764-773, ~984), builds every key's module from its instance (``load_module()`` then ``get(0)``) and traces each rank
+  ahead of time in this process (collectives only produce shapes, as under ``mock_distributed``). The weights are the
+  module's ``state_dict()`` keys but its states: parameters and persistent buffers alike (NxD trims the checkpoint to
+  ``model.state_dict()`` keys, trace/trace.py ~628-644, and torch-neuronx's closed ``generate_hlo`` decides whether a
+  read-only buffer is a weight input or a constant: the stand-in takes the stricter reading, a weight the checkpoint
+  must hold, ``KeyError`` when it lacks one); aliased parameters (the state) start at zero (``StateInitializer``).
 - Every key shares one weight set and one state (the keys' modules must have the same parameters); calls are routed
   by the list of input shapes, a miss is a TorchScript ``ValueError`` (``spmd.py`` ~216); the model must be
   initialised (``initialize_with_saved_weights``) in the process that runs it, which takes the NeuronCores;
@@ -101,6 +105,7 @@ class ModelBuilder:
         self.tp_degree = tp_degree
         self.checkpoint_loader = checkpoint_loader
         self.compiler_workdir = compiler_workdir if compiler_workdir else "/tmp/nxd_model/"
+        self.compiler_flag_hook = compiler_flag_hook
         self.model_collection = {}
 
     def add(
@@ -127,11 +132,15 @@ class ModelBuilder:
             raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
         model_id = uuid.uuid4().hex
         checkpoint = self.checkpoint_loader()
-        for key, (_, _, compiler_args) in self.model_collection.items():
+        for key, (_, example, compiler_args) in self.model_collection.items():
             out = Path(self.compiler_workdir) / key / "_tp0_bk0"
             out.mkdir(parents=True, exist_ok=True)  # _create_output_dir (~1096-1099): made again as needed
             flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"  # ~720-722
-            _fake_runtime.compile_graph(out / "model" / "graph.hlo", out / "graph.neff", flags)
+            if self.compiler_flag_hook is not None:  # ~724-725: the final flags, before the cache lookup
+                flags = self.compiler_flag_hook(key, self.model_collection[key], 0, flags)
+            # ~603-624: use_cache=True, always; the HLO text's stand-in is the key and its inputs' shapes and dtypes
+            graph = f"{key}:{[(tuple(t.shape), str(t.dtype)) for t in example[0]]}"
+            _fake_runtime.compile_cached(graph, out / "model" / "graph.hlo", out / "graph.neff", flags)
         # ~764-773: with initialize_model_weights, each rank's slice of the checkpoint is written into the workdir
         # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there.
         if initialize_model_weights:
@@ -156,9 +165,10 @@ class ModelBuilder:
             instance = next(iter(self.model_collection.values()))[0]
             instance.load_module()
             module, aliases = instance.get(0)
-            states = {id(p) for p in aliases}
-            sliced = {name: _slice(checkpoint, name, param, rank, self.tp_degree).contiguous()
-                      for name, param in module.named_parameters() if id(param) not in states}
+            # a weight the checkpoint lacks is skipped without a word (trace.py shard_children ~773-774); loading
+            # it is what fails (_load_weights)
+            sliced = {name: _slice(checkpoint, name, tensor, rank, self.tp_degree).contiguous()
+                      for name, tensor in _weights(module, aliases) if name in checkpoint}
             save_file(sliced, os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
 
     def _trace_rank(self, rank, model_id, checkpoint, shard):
@@ -187,19 +197,24 @@ class ModelBuilder:
             parallel_state._set_aot_rank(None, None, None)
 
     def _load_weights(self, graph, checkpoint, rank, sliced=False):
-        """Parameters only: each parallel weight's rank slice (equal contiguous chunks along ``partition_dim``),
-        others whole (``sliced``: ``checkpoint`` is the rank's own sharded file); buffers are never touched."""
-        states = {id(p) for p in graph.states}
+        """Every weight (``_weights``): each parallel weight's rank slice (equal contiguous chunks along
+        ``partition_dim``), others whole (``sliced``: ``checkpoint`` is the rank's own sharded file)."""
         with torch.no_grad():
-            for name, param in graph.model.named_parameters():
-                if id(param) in states:
-                    continue
+            for name, param in _weights(graph.model, graph.states):
                 if name not in checkpoint:
                     raise KeyError(f"checkpoint has no weight {name}")
                 part = checkpoint[name] if sliced else _slice(checkpoint, name, param, rank, self.tp_degree)
                 if tuple(part.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: checkpoint slice {list(part.shape)}, model {list(param.shape)}")
                 param.copy_(part.to(param.dtype))
+
+
+def _weights(module, states):
+    """The module's weights by state_dict name: its parameters and persistent buffers, less the states (aliased
+    parameters, which StateInitializer allocates)."""
+    state_ids, persistent = {id(p) for p in states}, set(module.state_dict())
+    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n in persistent)]
+    return [(name, tensor) for name, tensor in named if id(tensor) not in state_ids]
 
 
 def _slice(checkpoint, name, param, rank, tp_degree):
