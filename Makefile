@@ -39,7 +39,8 @@ VERSION_MARKS := across_versions and not cluster and not container
 PYTEST_WORKERS ?= 2
 XDIST = -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
-.PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b test-production test-xla test-lowest test-cluster slurm-packages \
+.PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b test-production check-base-lock test-xla test-lowest \
+	test-cluster slurm-packages \
 	constraints lock lint dvc-demo clean-artifacts container-packages container-base container-images \
 	test-container
 
@@ -80,7 +81,14 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints-lowest.txt
 	$(VENV_LOWEST)/bin/python -m pip install --quiet -e '.[dev]' -c constraints-lowest.txt
 	touch $@
 
-test-production: $(VENV_PRODUCTION)/.installed
+# deploy/install-inf2.sh's first step at the inf2 host's Python, as a dry run: the base lock resolves there with every
+# file pinned by its hash (pip install --require-hashes --no-deps), nothing installed.
+BASE_LOCK ?= deploy/lock/inf2-base.txt
+check-base-lock: $(VENV_PRODUCTION)/.installed
+	$(VENV_PRODUCTION)/bin/python -m pip install --dry-run --quiet --disable-pip-version-check --require-hashes \
+		--no-deps --ignore-installed -r $(BASE_LOCK) --report /dev/null
+
+test-production: $(VENV_PRODUCTION)/.installed check-base-lock
 	EXPECT_PYTHON=$(INF2_PYTHON) $(VENV_PRODUCTION)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "$(VERSION_MARKS)"
 
 # backend=xla (tests/test_xla.py): the recipe's graphs lowered by torch-xla 2.8 on its CPU device, checked, and run
