@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -392,6 +393,39 @@ def test_the_documented_install_script_installs_both_locks_and_the_public_index_
         **row("2.28.1"), discovery: "2.9", "base-dep": "1.0"}
     assert (tmp_path / "locks" / "neuron-2.28.1-torch2.8.0.txt").is_file()
     assert "installed Neuron SDK release 2.28.1" in done.stdout
+
+
+def test_the_install_script_refuses_a_release_the_base_lock_cannot_hold_before_installing_anything(
+        tmp_path, isolated_pip, monkeypatch):
+    """Neuron's compiler has pinned numpy below 2 in past releases (aws-neuron-sdk#762); the base lock pins
+    numpy==2.2.6. deploy/install-inf2.sh resolves the release against the base lock first (install-neuron
+    --lock-only, with pip's vendored packaging): refused with both requirements named and the fix, nothing installed,
+    no lock written."""
+    index = neuron_index(tmp_path / "neuron", ["2.28.1"], requires={"neuronx-cc": ["numpy<2"]})
+    public = simple_index(tmp_path / "public", {"base-dep": ["1.0"], "numpy": ["1.26.4", "2.2.6"]})
+    wheels = tmp_path / "public" / "wheels"
+    base_lock = tmp_path / "inf2-base.txt"
+    base_lock.write_text("".join(
+        f"{name}=={version} \\\n    --hash=sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}\n"
+        for name, version, path in (("base-dep", "1.0", next(wheels.glob("base_dep-*.whl"))),
+                                    ("numpy", "2.2.6", next(wheels.glob("numpy-2.2.6-*.whl"))))))
+    monkeypatch.setenv("PIP_INDEX_URL", public)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "test-environment.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    script = Path(__file__).resolve().parent.parent / "deploy" / "install-inf2.sh"
+    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VENV": str(venv), "PUBLIC_INDEX": public, "NEURON_INDEX": index,
+                               "BASE_LOCK": str(base_lock), "LOCK_DIR": str(tmp_path / "locks")})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "The user requested (constraint) numpy==2.2.6" in done.stderr, done.stderr
+    assert re.search(r"neuronx-cc \S+ depends on numpy<2", done.stderr), done.stderr
+    assert "move numpy==2.2.6 in the base lock" in done.stderr and "make lock" in done.stderr
+    python = str(venv / "bin" / "python")
+    # (numpy is this test environment's, seen through the .pth: the base lock's stand-in package is the witness)
+    assert set(upgrades.installed_versions(python, ["base-dep", *neuron_sdk.PACKAGES]).values()) == {None}
+    assert not (tmp_path / "locks").exists() or not any((tmp_path / "locks").iterdir())
 
 
 def test_the_docs_and_the_workflow_install_with_the_script_and_the_base_lock_follows_pyproject():

@@ -5,7 +5,11 @@ The second step of ``deploy/install-inf2.sh`` (the first installs the base lock 
 torch-neuronx build from ``deploy/lock/neuron-<release>-torch<torch>.txt``, every file by URL and sha256 (no index is
 asked; pipeline/cli/neuron_lock.py). When that lock is missing it is made first, from the Neuron repository alone for
 the Neuron packages (``--neuron-index``), exactly as ``check-upgrades --apply`` makes the lock of a newer release;
-commit it. Exit codes: 0 installed, 1 refused or failed (nothing half-installed is left to trust: rerun), 2 usage.
+commit it. ``--lock-only`` makes a missing lock and installs nothing: ``deploy/install-inf2.sh`` runs it first, in the
+new environment before its base lock is installed (``python -m pipeline.cli.install_neuron``, with pip's own vendored
+``packaging``: nothing of this module needs more), so that a release the base lock cannot hold (a Neuron package
+pinning ``numpy<2`` against its ``numpy==2.2.6``) is refused, the two pins named, with the host untouched. Exit codes:
+0 installed (or locked), 1 refused or failed (nothing half-installed is left to trust: rerun), 2 usage.
 
     python -m pipeline install-neuron
     python -m pipeline install-neuron --release 2.28.1 --neuron-index https://neuron-mirror.example/simple
@@ -52,6 +56,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--neuron-index", default=neuron_sdk.NEURON_INDEX,
                         help="the Neuron repository or a mirror of it, asked only to make a missing lock")
     parser.add_argument("--python", help="the interpreter of the environment to install into (default: this one)")
+    parser.add_argument("--lock-only", action="store_true",
+                        help="make the release's lock when it is missing (resolved against the base lock), install "
+                             "nothing")
     upgrades.add_lock_arguments(parser)
     args = parser.parse_args(argv)
     setup()
@@ -59,6 +66,11 @@ def main(argv: list[str]) -> int:
         lock = neuron_lock.lock_file(Path(args.lock_dir), args.release, args.torch)
         try:
             versions, available = versions_to_install(args, lock)
+            if args.lock_only:
+                made = upgrades.make_lock(args.python, args.neuron_index, args.release, versions, available,
+                                          Path(args.lock_dir), Path(args.base_lock))
+                print(f"release {args.release}: {made} holds it, resolved against {args.base_lock}")
+                return 0
             upgrades.install(args.python, args.neuron_index, args.release, versions, available,
                              Path(args.lock_dir), Path(args.base_lock))
         except neuron_lock.LockError as exc:

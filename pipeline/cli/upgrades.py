@@ -300,9 +300,39 @@ def run_pip(python: str | None, args: list[str], what: str, env: dict[str, str] 
             ) -> subprocess.CompletedProcess:
     proc = subprocess.run([*pip(python), *args], capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env)
     if proc.returncode != 0:
+        conflict = conflict_lines(f"{proc.stdout or ''}\n{proc.stderr or ''}")  # pip says the conflict on stdout
+        if conflict:
+            raise UpgradeCheckError(conflict_message(what, conflict))
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
         raise UpgradeCheckError(f"{what} failed (pip exit {proc.returncode}):\n{tail}")
     return proc
+
+
+def conflict_lines(output: str) -> list[str]:
+    """What pip's resolver names when no version satisfies every requirement (``ResolutionImpossible``): the lines
+    under "The conflict is caused by:", each a requirement and who asked for it (pip's
+    resolution/resolvelib/factory.py ``get_installation_error``). Empty for any other failure."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "The conflict is caused by:"), None)
+    if start is None:
+        return []
+    found = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        found.append(line.strip())
+    return found
+
+
+def conflict_message(what: str, conflict: list[str]) -> str:
+    """The refusal for a resolution whose requirements contradict each other, naming them and the fix. A pin of the
+    base lock shows as "The user requested (constraint) NAME==VERSION"."""
+    pinned = [line.split()[-1] for line in conflict if line.startswith("The user requested (constraint)")]
+    fix = (f"move {', '.join(pinned)} in the base lock ({neuron_lock.BASE_LOCK}) to a version every line above allows: "
+           "add that bound to the lock's inputs (pyproject.toml) and run `make lock`, then commit the lock"
+           if pinned else "change the requirement that the base lock cannot meet")
+    return (f"{what}: no set of versions meets every requirement; pip's resolver names the conflict:\n"
+            + "\n".join(f"  {line}" for line in conflict) + f"\nNothing was installed. To fix it: {fix}")
 
 
 def installed_versions(python: str | None, packages: tuple[str, ...] | list[str] = PACKAGES) -> dict[str, str | None]:
@@ -445,13 +475,21 @@ def install(python: str | None, index: str, release: str, versions: dict[str, st
             available: dict[str, list[Offer]], lock_dir: Path, base_lock: Path | None) -> Path:
     """Install release ``release`` (``versions``: each package as the Neuron repository spells it) from its lock
     (pipeline/cli/neuron_lock.py), making the lock first if there is none. Returns the lock's path."""
+    lock = make_lock(python, index, release, versions, available, lock_dir, base_lock)
+    install_locked(python, lock, release, versions)
+    return lock
+
+
+def make_lock(python: str | None, index: str, release: str, versions: dict[str, str],
+              available: dict[str, list[Offer]], lock_dir: Path, base_lock: Path | None) -> Path:
+    """Release ``release``'s lock, made first when there is none (dry runs only: nothing is installed). Returns its
+    path."""
     lock = neuron_lock.lock_file(lock_dir, release, torch_of(versions["torch-neuronx"]))
     if not lock.is_file():
         entries = lock_entries(python, index, release, versions, available, base_lock)
         neuron_lock.write(lock, entries, release, torch_of(versions["torch-neuronx"]), index)
         log.warning("check-upgrades: wrote %s (%d files, each pinned by URL and sha256): commit it, so that every "
                     "host installs these very files", lock, len(entries))
-    install_locked(python, lock, release, versions)
     return lock
 
 
