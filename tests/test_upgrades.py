@@ -364,6 +364,19 @@ def test_a_lock_of_another_release_or_a_malformed_line_is_refused(tmp_path, isol
     assert malformed.returncode == 1 and "is not 'name @ URL --hash=sha256:HEX'" in malformed.stderr
 
 
+def install_script(venv: Path, public: str, index: str, base_lock: Path, lock_dir: Path) -> subprocess.CompletedProcess:
+    """deploy/install-inf2.sh into a new environment at ``venv``. The pipeline's own dependencies (pip and setuptools
+    among them) come from this test environment (no network here), standing for what the real base lock installs;
+    the script installs the rest."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "test-environment.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    script = Path(__file__).resolve().parent.parent / "deploy" / "install-inf2.sh"
+    return subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VENV": str(venv), "PUBLIC_INDEX": public, "NEURON_INDEX": index,
+                               "BASE_LOCK": str(base_lock), "LOCK_DIR": str(lock_dir)})
+
+
 def test_the_documented_install_script_installs_both_locks_and_the_public_index_cannot_win(tmp_path, isolated_pip,
                                                                                              monkeypatch):
     """deploy/install-inf2.sh, as docs/inf2-host.md and the workflow run it, against two local indexes: a base lock of
@@ -378,15 +391,7 @@ def test_the_documented_install_script_installs_both_locks_and_the_public_index_
     base_lock.write_text(f"base-dep==1.0 \\\n    --hash=sha256:{hashlib.sha256(base_wheel.read_bytes()).hexdigest()}\n")
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    # The pipeline's own dependencies (pip and setuptools among them) come from this test environment (no network
-    # here), standing for what the real base lock installs; the script installs the rest.
-    site = next((venv / "lib").glob("python*/site-packages"))
-    (site / "test-environment.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    script = Path(__file__).resolve().parent.parent / "deploy" / "install-inf2.sh"
-    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VENV": str(venv), "PUBLIC_INDEX": public, "NEURON_INDEX": index,
-                               "BASE_LOCK": str(base_lock), "LOCK_DIR": str(tmp_path / "locks")})
+    done = install_script(venv, public, index, base_lock, tmp_path / "locks")
     assert done.returncode == 0, done.stdout + done.stderr
     python = str(venv / "bin" / "python")
     assert upgrades.installed_versions(python, [*neuron_sdk.PACKAGES, discovery, "base-dep"]) == {
@@ -411,13 +416,7 @@ def test_the_install_script_refuses_a_release_the_base_lock_cannot_hold_before_i
                                     ("numpy", "2.2.6", next(wheels.glob("numpy-2.2.6-*.whl"))))))
     monkeypatch.setenv("PIP_INDEX_URL", public)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = next((venv / "lib").glob("python*/site-packages"))
-    (site / "test-environment.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    script = Path(__file__).resolve().parent.parent / "deploy" / "install-inf2.sh"
-    done = subprocess.run(["sh", str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VENV": str(venv), "PUBLIC_INDEX": public, "NEURON_INDEX": index,
-                               "BASE_LOCK": str(base_lock), "LOCK_DIR": str(tmp_path / "locks")})
+    done = install_script(venv, public, index, base_lock, tmp_path / "locks")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "The user requested (constraint) numpy==2.2.6" in done.stderr, done.stderr
     assert re.search(r"neuronx-cc \S+ depends on numpy<2", done.stderr), done.stderr
