@@ -259,13 +259,12 @@ def check_prompts_cover(cfg) -> None:
     spanning buckets: validate's own refusal, ``select_prompts``), so a derived kv_max or bucket they cannot validate
     (512_fp32+kv384) is refused before the hours of tracing, not after. Nothing to ask without a reference yet, or one
     made for other prompts (the reference stage makes it again, and validate asks then)."""
-    import json
-
+    from pipeline.core.fsutil import read_json
     from pipeline.paths import Paths
     from pipeline.validation.worker import select_prompts
 
     try:
-        record = json.loads(Paths.of(cfg).reference.read_text())
+        record = read_json(Paths.of(cfg).reference)
         names = [p["name"] for p in record["prompts"]]
     except (OSError, ValueError, KeyError, TypeError):
         return

@@ -420,7 +420,7 @@ def test_the_install_script_refuses_a_release_the_base_lock_cannot_hold_before_i
     assert done.returncode == 1, done.stdout + done.stderr
     assert "The user requested (constraint) numpy==2.2.6" in done.stderr, done.stderr
     assert re.search(r"neuronx-cc \S+ depends on numpy<2", done.stderr), done.stderr
-    assert "move numpy==2.2.6 in the base lock" in done.stderr and "make lock" in done.stderr
+    assert f"move numpy==2.2.6 in the base lock ({base_lock})" in done.stderr and "make lock" in done.stderr
     python = str(venv / "bin" / "python")
     # (numpy is this test environment's, seen through the .pth: the base lock's stand-in package is the witness)
     assert set(upgrades.installed_versions(python, ["base-dep", *neuron_sdk.PACKAGES]).values()) == {None}

@@ -77,6 +77,15 @@ class UpgradeCheckError(PipelineError):
     """The Neuron repository did not answer, lacks a package, or pip failed or chose a file from elsewhere."""
 
 
+class ResolutionConflict(UpgradeCheckError):
+    """pip's resolver found no versions meeting every requirement; ``conflict`` holds the lines naming them, and the
+    message the fix (in ``base_lock``, when the caller resolved against one)."""
+
+    def __init__(self, what: str, conflict: list[str], base_lock: Path | None = None):
+        super().__init__(conflict_message(what, conflict, base_lock))
+        self.what, self.conflict = what, conflict
+
+
 @dataclass(frozen=True)
 class Offer:
     """One file on the Neuron repository's page of a package."""
@@ -302,7 +311,7 @@ def run_pip(python: str | None, args: list[str], what: str, env: dict[str, str] 
     if proc.returncode != 0:
         conflict = conflict_lines(f"{proc.stdout or ''}\n{proc.stderr or ''}")  # pip says the conflict on stdout
         if conflict:
-            raise UpgradeCheckError(conflict_message(what, conflict))
+            raise ResolutionConflict(what, conflict)
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
         raise UpgradeCheckError(f"{what} failed (pip exit {proc.returncode}):\n{tail}")
     return proc
@@ -324,11 +333,12 @@ def conflict_lines(output: str) -> list[str]:
     return found
 
 
-def conflict_message(what: str, conflict: list[str]) -> str:
+def conflict_message(what: str, conflict: list[str], base_lock: Path | None = None) -> str:
     """The refusal for a resolution whose requirements contradict each other, naming them and the fix. A pin of the
     base lock shows as "The user requested (constraint) NAME==VERSION"."""
     pinned = [line.split()[-1] for line in conflict if line.startswith("The user requested (constraint)")]
-    fix = (f"move {', '.join(pinned)} in the base lock ({neuron_lock.BASE_LOCK}) to a version every line above allows: "
+    where = f" ({base_lock})" if base_lock else ""
+    fix = (f"move {', '.join(pinned)} in the base lock{where} to a version every line above allows: "
            "add that bound to the lock's inputs (pyproject.toml) and run `make lock`, then commit the lock"
            if pinned else "change the requirement that the base lock cannot meet")
     return (f"{what}: no set of versions meets every requirement; pip's resolver names the conflict:\n"
@@ -442,9 +452,12 @@ def lock_entries(python: str | None, index: str, release: str, versions: dict[st
     direct = [f"{name} @ {url}" for name, url in files.items()]
     served = {canonicalize_name(n): f for n, f in available.items()}
     with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
-        first = resolve(python, ["install", "--ignore-installed", "--extra-index-url", index,
-                                 *neuron_lock.constraints(base_lock, Path(tmp)), *direct],
-                        f"resolving release {release}")
+        try:
+            first = resolve(python, ["install", "--ignore-installed", "--extra-index-url", index,
+                                     *neuron_lock.constraints(base_lock, Path(tmp)), *direct],
+                            f"resolving release {release}")
+        except ResolutionConflict as exc:  # the fix names the base lock this release was resolved against
+            raise ResolutionConflict(exc.what, exc.conflict, base_lock) from None
         public = []
         for item in first:
             name, url = canonicalize_name(item["metadata"]["name"]), item["download_info"]["url"]
