@@ -198,12 +198,12 @@ def expanded(args: list[str]) -> list[str]:
 
 
 def keeps_the_files_value(arg: str) -> bool:
-    """``variant.kv_max=base`` (a field ``DERIVED_SPELLING`` names, set to ``base``): the variant file's own value, as
-    if not given. What dvc.yaml's sweep stages pass for a field the sweep leaves alone (params.yaml's ``sweep``)."""
-    from pipeline.run import DERIVED_SPELLING
+    """``variant.kv_max=base`` (a field of the build shape set to ``base``): the variant file's own value, as if not
+    given. What dvc.yaml's sweep stages pass for a field the sweep leaves alone (params.yaml's ``sweep``)."""
+    from pipeline.core.derived_names import FIELDS
 
     key, _, value = arg.partition("=")
-    return value == "base" and key.removeprefix("variant.") in DERIVED_SPELLING and key.startswith("variant.")
+    return value == "base" and key.removeprefix("variant.") in FIELDS and key.startswith("variant.")
 
 
 def for_every_variant(args: list[str]) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,19 +63,13 @@ def file_variant_name(choice: str) -> str | None:
         return None
 
 
-# A variant field an override changed, and how the derived name spells its new value: kv_max 1024 -> "kv1024".
-DERIVED_SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}"}
-
-
-DERIVED_PART = re.compile(r"^(?:kv(?P<kv_max>\d+)|b(?P<bucket>\d+)|tp(?P<tp_degree>\d+)|(?P<dtype>bf16|fp32)"
-                          r"|(?P<prefill>host|device))$")
-
-
 def expand_derived(arg: str) -> list[str] | None:
     """``+variant=512_fp32+kv1024`` as the overrides that build it: ``+variant=512_fp32 variant.kv_max=1024``
     (params.yaml may list such a name: a DVC knob sweep). None for any other argument; a ``ConfigError`` for a
     derived name that is not the one those overrides make (a field at the file's own value, or out of order)."""
+    from pipeline.core import derived_names
     from pipeline.core.errors import ConfigError
+    from pipeline.core.shape import BuildShape
 
     if not arg.startswith("+variant=") or "+" not in arg[len("+variant="):]:
         return None
@@ -86,37 +79,36 @@ def expand_derived(arg: str) -> list[str] | None:
     given = variant_file(name)
     fields = {}
     for part in parts:
-        found = DERIVED_PART.match(part)
+        found = derived_names.read_part(part)
         if not found:
-            raise ConfigError(f"+variant={arg[9:]}: {part!r} is not a field of a derived name (kv<N>, b<N>, tp<N>, "
-                              "bf16 or fp32, host or device)")
-        key, value = next((k, v) for k, v in found.groupdict().items() if v is not None)
-        fields[key] = value
-    overrides = [f"variant.{k}={v}" for k, v in fields.items()]
-    canonical = "+".join([name, *[DERIVED_SPELLING[k].format(v) for k, v in
-                                  sorted(fields.items(), key=lambda kv: list(DERIVED_SPELLING).index(kv[0]))
-                                  if str(v) != str(given[k])]])
+            raise ConfigError(f"+variant={arg[9:]}: {part!r} is not a field of a derived name "
+                              f"({derived_names.spellings_help()})")
+        fields[found[0]] = found[1]
+    canonical = derived_names.derived_name(name, BuildShape(**{**given, **fields}), given)
     if canonical != arg[len("+variant="):]:
         raise ConfigError(f"+variant={arg[9:]} is not how those fields are named: write +variant={canonical} (fields "
-                          "in the order kv, b, dtype, prefill, tp, each one that differs from conf/variant/"
+                          f"in the order {', '.join(derived_names.FIELDS)}, each one that differs from conf/variant/"
                           f"{name}.yaml)")
-    return [f"+variant={name}", *overrides]
+    return [f"+variant={name}", *[f"variant.{k}={v}" for k, v in fields.items()]]
 
 
 def variant_file(name: str) -> dict:
-    """The fields conf/variant/<name>.yaml sets (tp_degree defaulting as the schema does)."""
+    """The shape's fields as conf/variant/<name>.yaml sets them (tp_degree defaulting as the schema does)."""
     from omegaconf import OmegaConf
 
     from pipeline.config import VariantConfig
+    from pipeline.core.derived_names import FIELDS
 
     data = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "variant" / f"{name}.yaml"))
-    return {key: data.get(key, getattr(VariantConfig, key, None)) for key in DERIVED_SPELLING}
+    return {key: data.get(key, getattr(VariantConfig, key, None)) for key in FIELDS}
 
 
 def changed_fields(variant, name: str) -> list[str]:
     """``key=value (file: value)`` for each field of ``variant`` that differs from conf/variant/<name>.yaml's."""
+    from pipeline.core.derived_names import FIELDS
+
     given = variant_file(name)
-    return [f"variant.{key}={getattr(variant, key)} (the file: {given[key]})" for key in DERIVED_SPELLING
+    return [f"variant.{key}={getattr(variant, key)} (the file: {given[key]})" for key in FIELDS
             if str(getattr(variant, key)) != str(given[key])]
 
 
@@ -124,10 +116,9 @@ def derived_name(variant, name: str) -> str:
     """The name a build of ``name`` with other field values goes by: ``512_bf16+kv1024+fp32``. A build is named
     after what it is, so an override never writes under the named variant's folder, version or card; the same
     overrides give the same name (and so find the same build)."""
-    given = variant_file(name)
-    parts = [DERIVED_SPELLING[key].format(getattr(variant, key)) for key in DERIVED_SPELLING
-             if str(getattr(variant, key)) != str(given[key])]
-    return "+".join([name, *parts])
+    from pipeline.core import derived_names
+
+    return derived_names.derived_name(name, variant, variant_file(name))
 
 
 def unknown_override_keys(overrides: list[str]) -> list[str]:

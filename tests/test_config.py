@@ -63,9 +63,9 @@ def test_params_yaml_lists_only_existing_variants():
     assert set(params) == {"model", "backend", "publish", "hardware", "variants", "sweep"}  # what dvc.yaml reads
     # a sweep is an experiment's (dvc exp run -S 'sweep.base=[512_fp32]' -S sweep.kv_max=1024): none by default, and
     # its fields are the ones a derived name spells (tp_degree aside: both NeuronCores of an inf2 device)
-    from pipeline.run import DERIVED_SPELLING
+    from pipeline.core.derived_names import FIELDS
 
-    assert params["sweep"] == {"base": [], **{key: "base" for key in DERIVED_SPELLING if key != "tp_degree"}}
+    assert params["sweep"] == {"base": [], **{key: "base" for key in FIELDS if key != "tp_degree"}}
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -199,3 +199,44 @@ def test_choices_hash_and_write_as_the_plain_strings_they_stand_for():
     validate = {"parity": asdict(cfg.validate.parity), "throughput": asdict(cfg.validate.throughput)}
     assert fingerprint(settings) == fingerprint(plain(settings))
     assert fingerprint(validate) == fingerprint(plain(validate))
+
+
+@pytest.mark.parametrize(("key", "value"), [("kv_max", 1024), ("bucket", 64), ("dtype", "fp32"), ("prefill", "host"),
+                                            ("tp_degree", 1)])
+def test_every_field_of_the_build_shape_changes_the_derived_name(key, value):
+    """A build with any one shape field changed is named for it, and the name stands for that override again."""
+    from dataclasses import fields, replace
+
+    from pipeline.core.shape import BuildShape
+    from pipeline.run import derived_name, expand_derived, variant_file
+
+    assert key in {f.name for f in fields(BuildShape)}
+    base = BuildShape(**variant_file("512_bf16"))
+    assert getattr(base, key) != value
+    name = derived_name(replace(base, **{key: value}), "512_bf16")
+    assert name != "512_bf16" and name.startswith("512_bf16+")
+    assert expand_derived(f"+variant={name}") == ["+variant=512_bf16", f"variant.{key}={value}"]
+
+
+def test_the_derived_spelling_covers_every_shape_field_in_order():
+    """A shape field without a spelling would build into the named variant's folder under its name: refused on
+    import. A derived name out of the fields' order, or with a part no field spells, is refused naming the fix."""
+    from dataclasses import dataclass, fields
+
+    from pipeline.core.derived_names import FIELDS, spelled_fields
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.shape import BuildShape
+    from pipeline.run import expand_derived
+
+    assert FIELDS == tuple(f.name for f in fields(BuildShape))
+
+    @dataclass
+    class Wider(BuildShape):
+        batch: int = 1
+
+    with pytest.raises(TypeError, match="must spell every field of Wider"):
+        spelled_fields(Wider)
+    with pytest.raises(ConfigError, match=r"write \+variant=512_bf16\+kv1024\+fp32"):
+        expand_derived("+variant=512_bf16+fp32+kv1024")
+    with pytest.raises(ConfigError, match=r"'q8' is not a field .*kv<N>, b<N>, bf16 or fp32, device or host, tp<N>"):
+        expand_derived("+variant=512_bf16+q8")

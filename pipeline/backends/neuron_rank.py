@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -113,8 +114,7 @@ def make_job(checkpoint: CheckpointRef, shape: BuildShape, compiler_args: list[s
     return {
         "checkpoint": {"directory": str(checkpoint.directory), "text_prefix": checkpoint.text_prefix,
                        "head_key": checkpoint.head_key},
-        "shape": {"kv_max": shape.kv_max, "bucket": shape.bucket, "dtype": shape.dtype, "prefill": shape.prefill,
-                  "tp_degree": shape.tp_degree},
+        "shape": {f.name: getattr(shape, f.name) for f in fields(BuildShape)},
         "compiler_args": list(compiler_args),
         # Absolute: the compile runs in its work directory, not where the stage was started.
         "out_dir": str(Path(out_dir).resolve()),

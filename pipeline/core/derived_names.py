@@ -1,0 +1,70 @@
+"""How a derived variant's name spells each field of the build shape: ``512_bf16+kv1024+fp32`` is 512_bf16 built with
+kv_max 1024 and dtype fp32. Read by the config loader (the name an override builds under), ``+variant=`` with a
+derived name (the overrides it stands for) and ``variant.KEY=base``.
+
+The spellings sit here, beside ``BuildShape`` rather than in its declarations: core/shape.py is build code, which a
+version's inputs digest hashes, and a name's spelling decides no byte. Every field must have one, checked on import:
+a shape field without a spelling would build into the named variant's folder under its name.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import fields
+from enum import Enum
+
+from pipeline.core.choices import values
+from pipeline.core.shape import BuildShape
+
+# A field's value in a derived name: "{}" is the value itself (a choice's values are unlike any other field's).
+SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}"}
+
+
+
+def spelled_fields(shape: type) -> tuple[str, ...]:
+    """The fields of ``shape`` in their declared order, each of which ``SPELLING`` must spell."""
+    names = tuple(f.name for f in fields(shape))
+    if list(SPELLING) != list(names):
+        raise TypeError(f"pipeline/core/derived_names.py SPELLING must spell every field of {shape.__name__}, in its "
+                        f"order {list(names)}: it has {list(SPELLING)}")
+    return names
+
+
+FIELDS = spelled_fields(BuildShape)
+_TYPES = typing.get_type_hints(BuildShape)
+
+
+def spell(key: str, value) -> str:
+    """``kv_max``, 1024 -> ``kv1024``."""
+    return SPELLING[key].format(value)
+
+
+def read_part(part: str) -> tuple[str, str] | None:
+    """``kv1024`` -> (``kv_max``, ``1024``); None when no field is spelled that way."""
+    for key in FIELDS:
+        prefix = SPELLING[key].removesuffix("{}")
+        if not part.startswith(prefix):
+            continue
+        value = part[len(prefix):]
+        kind = _TYPES[key]
+        if (kind is int and value.isdigit()) or (isinstance(kind, type) and issubclass(kind, Enum)
+                                                   and value in values(kind)):
+            return key, value
+    return None
+
+
+def spellings_help() -> str:
+    """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, host or device, tp<N>``."""
+    def one(key: str) -> str:
+        kind = _TYPES[key]
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            return " or ".join(values(kind))
+        return spell(key, "<N>")
+    return ", ".join(one(key) for key in FIELDS)
+
+
+def derived_name(name: str, shape: BuildShape, given: dict) -> str:
+    """``name`` with a part for each field of ``shape`` that differs from ``given`` (the variant file's fields), in
+    the shape's field order."""
+    return "+".join([name, *[spell(key, getattr(shape, key)) for key in FIELDS
+                             if str(getattr(shape, key)) != str(given[key])]])
