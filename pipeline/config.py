@@ -38,13 +38,20 @@ REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
 PLACEHOLDER_OWNERS = ("your-org", "your-username", "your-name", "org", "user", "username", "example")
 
 
-class Backend(StrEnum):
-    """What a build runs on: ``backend.name`` once ``auto`` is resolved, and the keys of ``model.resources`` and
-    ``validate.throughput.floors``."""
+def backend_names(folder: Path) -> list[str]:
+    """The backends: one per file of conf/backend/, ``auto`` aside. A backend's conf file makes its name a choice of
+    ``backend.name``; its entry in pipeline/backends/registry.py says what it is (tests/test_records.py ties them)."""
+    names = sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "auto")
+    if not names:
+        raise RuntimeError(f"no backend configuration in {folder}: the pipeline runs from its source tree, beside "
+                           "its conf/ folder (pip install -e .)")
+    return names
 
-    cpu = "cpu"
-    neuron = "neuron"
-    xla = "xla"
+
+# What a build runs on: ``backend.name`` once ``auto`` is resolved, and the keys of ``model.resources`` and
+# ``validate.throughput.floors``.
+Backend = StrEnum("Backend", [(name, name) for name in backend_names(Path(__file__).resolve().parent.parent / "conf"
+                                                                     / "backend")], module=__name__)
 
 
 # backend.name: a Backend, or auto (neuron when NeuronCores and the Neuron packages are present, else cpu).
@@ -437,9 +444,10 @@ class RegressionConfig:
     """Largest accepted rise of time to first token, as a fraction of the previous figure."""
     teacher_forced_drop: float = 0.02
     """Largest accepted fall of the teacher-forced match (a share of positions)."""
-    throughput_backends: list[Backend] = field(default_factory=lambda: [Backend.neuron])
-    """Backends whose throughput is compared. The cpu backend's timings are reference figures that swing with the
-    machine's load by tens of percent between runs, so by default only its parity is compared."""
+    throughput_backends: list[Backend] | None = None
+    """Backends whose throughput is compared; null: those whose timings are steady enough (their entry's
+    ``timings_compare``: neuron). The cpu backend's timings swing with the machine's load by tens of percent between
+    runs, so by default only its parity is compared."""
 
     def problems(self) -> list[str]:
         found = [f"publish.regression.{key}={getattr(self, key)} must be a fraction within [0, 1]"

@@ -173,7 +173,7 @@ def test_the_steps_to_add_a_backend_name_what_exists():
     are the protocol's."""
     import inspect
 
-    from pipeline.backends import base, build_code, ranks, registry
+    from pipeline.backends import base, ranks, registry
     from pipeline.config import Backend
     from pipeline.core import build_records
     from pipeline.host import preflight
@@ -182,7 +182,7 @@ def test_the_steps_to_add_a_backend_name_what_exists():
     for cited in re.findall(r"`((?:pipeline|conf)/[^`]+)`", steps):
         for name in ("cpu", "neuron"):
             assert (REPO / cited.replace("<name>", name)).exists(), cited
-    defined = {"Backend": (base, Backend), "BUILD_CODE": (build_code,), "BACKENDS": (registry,),
+    defined = {"Backend": (base, Backend), "COMMON_BUILD_CODE": (registry,), "BACKENDS": (registry,),
                "BackendEntry": (registry,), "NeuronEntry": (registry,), "XlaEntry": (registry,),
                "Factors": (preflight,), "TraceResult": (build_records,), "ProcessRunner": (ranks,)}
     for name in re.findall(r"`([A-Z][A-Za-z_]+)`", steps):

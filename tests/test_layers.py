@@ -149,10 +149,14 @@ def test_the_graph_reader_sees_lazy_and_type_checking_imports(tmp_path, monkeypa
 
 
 def backend_name_checks(path: Path, names: set[str]) -> list[str]:
-    """Each place in ``path`` that compares a value with a backend's name, or keys a table by one."""
+    """Each place in ``path`` that compares a value with a backend's name, keys a table by one, or names one as a
+    member of the schema's choices (``Backend.neuron``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Compare):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in ("Backend", "BackendChoice") and node.attr in names):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+        elif isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
             for operand in operands:
                 elements = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
@@ -194,21 +198,23 @@ def test_no_function_is_longer_than_60_lines():
 
 def own_modules() -> dict[str, set[str]]:
     """Each backend's own modules: those named after it (``cpu.py``; ``neuron.py``, ``neuron_rank.py``,
-    ``neuron_sdk.py`` ...), and those of its build code (pipeline/backends/build_code.py) that no other backend's lists
+    ``neuron_sdk.py`` ...), and those of its build code (its entry's ``build_code``) that no other backend's lists
     (xla's ``hlo.py``). Every other module of pipeline/backends/ is shared: the rank runtime, ``aliased_rank.py``, the
     table, the base protocol."""
-    from pipeline.backends.build_code import BUILD_CODE
+    from pipeline.backends.registry import BACKENDS
+
+    build_code = {name: entry.build_code for name, entry in BACKENDS.items()}
 
     def modules(rel: str) -> set[str]:
         root = PACKAGE / rel
         return {module_name(p) for p in ([root] if root.is_file() else root.rglob("*.py"))}
 
-    listed = {name: set().union(*(modules(rel) for rel in rels)) for name, rels in BUILD_CODE.items()}
+    listed = {name: set().union(*(modules(rel) for rel in rels)) for name, rels in build_code.items()}
     exclusive = {name: mine - set().union(*(theirs for other, theirs in listed.items() if other != name))
                  for name, mine in listed.items()}
     named = {name: {module_name(p) for p in (PACKAGE / "backends").glob("*.py")
-                    if p.stem == name or p.stem.startswith(f"{name}_")} for name in BUILD_CODE}
-    return {name: exclusive[name] | named[name] for name in BUILD_CODE}
+                    if p.stem == name or p.stem.startswith(f"{name}_")} for name in build_code}
+    return {name: exclusive[name] | named[name] for name in build_code}
 
 
 def test_no_backend_imports_another_backends_module():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.backends import registry
 from pipeline.backends.registry import BACKENDS
 from pipeline.config import PreflightConfig, ResourceNeed
 from pipeline.core.errors import PreflightError
@@ -158,7 +159,7 @@ def test_a_rank_holds_the_bytes_the_plan_counts(tiny_dir):
 def test_e4b_comes_out_at_the_seed_recipes_figures_on_neuron():
     # The neuron factors are the seed's E4B figures over E4B's own bytes: E4B itself gets them back.
     est = estimate(spec_from_config(E4B_CONFIG), HOST_2048, NEURON, None)
-    assert est.weights.rank / GIB == preflight.E4B_BF16_RANK_GB and est.overridden == ()
+    assert est.weights.rank / GIB == registry.E4B_BF16_RANK_GB and est.overridden == ()
     assert trace_need(est.resources, NEURON, HOST_2048, 0, []).memory == pytest.approx(180 * GIB, rel=1e-6)
     assert trace_need(est.resources, NEURON, HOST_2048, 1, []).memory == pytest.approx(100 * GIB, rel=1e-6)
     assert validate_need(est.resources, NEURON, DEVICE_2048).memory == pytest.approx(15 * GIB, rel=1e-6)

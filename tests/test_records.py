@@ -44,14 +44,15 @@ def test_every_stages_code_is_read_from_the_installed_package():
     import hashlib
 
     from pipeline import stages
-    from pipeline.backends.build_code import BUILD_CODE
+    from pipeline.backends.registry import BACKENDS
     from pipeline.core.versions import PYPROJECT
 
     assert records.PACKAGE_DIR == Path(stages.__file__).resolve().parents[1]
     empty = hashlib.sha256().hexdigest()
     for stage in stages.CODE:
         assert stages.code_of(stage) != empty, stage
-    assert all((records.PACKAGE_DIR / rel).exists() for rels in [*stages.CODE.values(), *BUILD_CODE.values()]
+    assert all((records.PACKAGE_DIR / rel).exists() for rels in [*stages.CODE.values(),
+                                                                        *(e.build_code for e in BACKENDS.values())]
                for rel in rels)
     assert PYPROJECT.is_file()
     with pytest.raises(FileNotFoundError, match="no Python source"):
@@ -59,17 +60,15 @@ def test_every_stages_code_is_read_from_the_installed_package():
 
 
 def test_every_backend_has_its_build_code_packages_factors_and_implementation():
-    """The backend names are config.Backend's (the schema stays torch-free: it does not read the registry); the
-    registry, the build code table and conf/backend/ (with auto) have exactly those names, and each name loads a
-    backend of that name."""
+    """The backend names are config.Backend's, which conf/backend/ declares (the schema stays torch-free: it does not
+    read the registry); the registry has exactly those names, and each name loads a backend of that name."""
     from pipeline.backends import get_backend
-    from pipeline.backends.build_code import BUILD_CODE
     from pipeline.backends.registry import BACKENDS
     from pipeline.config import Backend
     from pipeline.core.choices import values
 
     names = set(values(Backend))
-    assert set(BUILD_CODE) == set(BACKENDS) == names
+    assert set(BACKENDS) == names
     assert {f.stem for f in (CONF / "backend").glob("*.yaml")} == names | {"auto"}
     assert all(entry.name == name for name, entry in BACKENDS.items())
     assert {get_backend(name).name for name in names} == names

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipeline.backends.packages import neuron_devices, neuron_packages_present, package_problem
+from pipeline.backends.packages import neuron_devices, neuron_packages_present
 from pipeline.core.log import log
 
 __all__ = ["get_backend", "neuron_devices", "neuron_packages_present", "package_problem", "resolve"]
@@ -24,6 +24,13 @@ def resolve(name: str) -> str:
 
 
 _SAID: set[str] = set()
+
+
+def package_problem(name: str) -> str | None:
+    """Why backend ``name`` cannot run in this environment for want of its packages (None when it can)."""
+    from pipeline.backends.registry import backend_entry
+
+    return backend_entry(name).package_problem()
 
 
 def get_backend(name: str):

@@ -2,8 +2,8 @@
 ``pull``, ``serve`` and ``versions`` apply, from two toolchain records of the same format (the toolchain stage's
 ``collect``): the one the version was built with (its manifest's ``toolchain``) and this host's.
 
-Builds compiled for Inferentia (a backend entry's ``for_inferentia``), by the Neuron SDK release each record's packages
-make up (pipeline/backends/neuron_sdk.py's table):
+Builds of a backend whose entry says ``fits_by_neuron_release`` (neuron), by the Neuron SDK release each record's
+packages make up (pipeline/backends/neuron_sdk.py's table):
 
 - **refused** when this host has no Neuron packages, when its torch-neuronx is built for another torch than the
   version's (the rank files are TorchScript saved by that torch, with torch-neuronx's operators in them), when this
@@ -65,7 +65,7 @@ def _version(text: str | None) -> Version | None:
 
 def judge(backend: str, built: dict, host: dict) -> Verdict:
     """The rule (this module's docstring) for a version of ``backend`` built with toolchain ``built``, on ``host``."""
-    if backend_entry(backend).for_inferentia:
+    if backend_entry(backend).fits_by_neuron_release:
         return _judge_neuron(built, host)
     return _judge_torch(packages(built).get("torch"), packages(host).get("torch"))
 

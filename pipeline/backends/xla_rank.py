@@ -33,7 +33,6 @@ import torch
 from pipeline.artifact.archive import VerifiedBuild
 from pipeline.backends import hlo
 from pipeline.backends.base import example_inputs
-from pipeline.backends.build_code import BUILD_CODE
 from pipeline.core.errors import BuildError, IntegrityError
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
 from pipeline.core.records import code_digest
@@ -64,7 +63,9 @@ def set_environment(tp_degree: int, debug: bool) -> None:
 
 
 def build_code_digest() -> str:
-    return code_digest(*BUILD_CODE["xla"])
+    from pipeline.backends.registry import backend_entry  # the table imports the schema: only when a rank is loaded
+
+    return code_digest(*backend_entry("xla").build_code)
 
 
 # -- the parallel primitives ------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 ``measure()`` reads the host (``/proc/meminfo``, the cgroup's memory limits along its hierarchy, free disk at each
 path that will be written, ``neuron-ls --json-output``); ``estimate()`` derives what a variant needs from its
 checkpoint's own spec: the bytes of one rank's weights at the variant's dtype (and of the host's prefill model), times
-factors measured per backend (``CPU``, ``NEURON``, ``XLA``: each backend's entry in pipeline/backends/registry.py
-names its own), with ``model.resources.<backend>.<key>`` overriding any figure;
+factors measured per backend (its entry in pipeline/backends/registry.py holds them), with
+``model.resources.<backend>.<key>`` overriding any figure;
 ``decide()`` compares the two and returns every shortfall with the exact numbers and the commands that fix it. All
 are plain functions of their inputs, so every decision is tested with injected figures.
 
@@ -354,80 +354,6 @@ class Factors:
     disk_fixed_gb: float
     disk_per_byte: float
     """Written per variant, per byte of all ranks' weights: the rank files, the archive (and compiler work files)."""
-
-
-# The seed recipe's figures for google/gemma-4-E4B-it at tp_degree 2 are scaled by E4B's own weights, so that E4B's
-# needs come out as the seed measured them and any other checkpoint's in proportion to its size: ShardPlan.rank_bytes
-# of E4B's config.json at bf16 and tp_degree 2 (one rank; two make all ranks').
-E4B_BF16_RANK_GB = 4_728_697_000 / GIB
-E4B_BF16_RANKS_GB = 2 * E4B_BF16_RANK_GB
-
-# cpu: each term is what the code holds (pipeline/backends/cpu.py, pipeline/validation/worker.py), at factors measured
-# here (torch 2.13, 2 cores, tp_degree 2) on the tiny model (weights ~1 MiB: the fixed parts) and at full size on an
-# E4B-shaped checkpoint (make rehearse-e4b, docs/full-size.md: ranks of 4.40 GiB, the largest tensor 0.63 GiB), from
-# the figures build.json and validation.json record. Each factor is the measurement rounded up.
-CPU = Factors(
-    trace_fixed_gb=0.5,  # the trace stage's process: 0.30 GiB for either model
-    trace_base_per_byte=0.0,  # it reads the spec only; the ranks read their own weights
-    # a rank's trace process with the tiny model's weights: 0.36 GiB here, 0.44 GiB on CI's fresh machine (same
-    # versions; the allocator's arenas differ), and 0.69-0.73 GiB under torch 2.8, the production pin (make
-    # test-production, tests/test_preflight.py), so the fixed parts carry a third more than the largest seen
-    graph_fixed_gb=1.0,
-    # Its weights once: sliced from the checkpoint and assigned to the module (load_state_dict(assign=True)); the
-    # trace shares them, and the save writes record by record (pipeline/backends/torchscript.py)
-    graph_per_byte=1.0,
-    # the rewrite without debug records holds one record at a time: the largest tensor (E4B's head shard)
-    graph_largest_copies=1.0,
-    # the tracer keeps every intermediate of the traced prefill alive until it ends: E4B's device-prefill rank peaked
-    # 0.42 GiB above its host-prefill twin (5.96 against 5.54 GiB at bucket 128), 7.5e-4 of its weights per token
-    graph_per_prefill_token=8e-4,
-    # the validate stage's process (0.32-0.63 GiB) and the validation process (0.31-0.64 GiB; the most under torch
-    # 2.8, and at E4B's 262,144-token tokenizer)
-    validate_fixed_gb=1.3,
-    load_rank_gb=0.75,  # a rank's load process, beyond its weights: 0.27-0.30 GiB with the tiny model, 0.52 GiB under
-    # torch 2.8, 0.65 GiB at E4B's size (5.05 GiB for 4.40 GiB of weights)
-    validate_per_byte=1.0,  # torch.jit.load holds each rank's weights once
-    host_prefill_per_byte=1.05,  # HostPrefill holds the decoder once, at the variant's dtype (pipeline/recipe/host.py)
-    disk_fixed_gb=0.1,  # records and logs
-    # the rank files 1.00x, the archive 0.78x (zstd of random bf16 weights; trained ones compress alike) and the
-    # validation's unpacked ranks 1.00x: 2.78x of both ranks' bytes at E4B's size; the trace's rewrite of the rank
-    # files (2.00x) comes before the archive. A local publish adds git's copy of the archive once the unpacked
-    # ranks are gone (2.56x)
-    disk_per_byte=3.0,
-)
-
-# neuron: the seed's E4B figures (/work/shared/reference/neuron-and-prior-art.md, "the seed recipe": E4B at
-# tp_degree 2 on inf2), over E4B's bf16 bytes. An fp32 variant has twice the bytes and is judged twice as big, which
-# errs on the side of refusing. The fixed parts are the cpu backend's processes (the Neuron packages' own imports were
-# not measured); the host's prefill model is the same code on the host as on cpu.
-NEURON = Factors(
-    trace_fixed_gb=CPU.trace_fixed_gb,
-    # Both ranks compiling at once peaked past 128 GiB of RAM and needed a 55 GiB swap file: ~180 GiB, split as E4B's
-    # conf declared it, 20 GiB for the compile driver and 80 GiB per rank compiled at once (100 GiB one at a time).
-    trace_base_per_byte=(20 - CPU.trace_fixed_gb) / E4B_BF16_RANKS_GB,
-    graph_fixed_gb=CPU.graph_fixed_gb,
-    graph_per_byte=(80 - CPU.graph_fixed_gb) / E4B_BF16_RANK_GB,
-    graph_largest_copies=0.0,  # in the seed's figure
-    graph_per_prefill_token=0.0,
-    # Loading a build on an inf2.xlarge peaks at ~14.5 GB (so 16 GiB RAM + a 16 GiB swap file): 15 GiB. The ranks
-    # are threads of the validation process: no process per rank.
-    validate_fixed_gb=CPU.validate_fixed_gb,
-    load_rank_gb=0.0,
-    validate_per_byte=(15 - CPU.validate_fixed_gb) / E4B_BF16_RANKS_GB,
-    host_prefill_per_byte=CPU.host_prefill_per_byte,
-    # 120 GiB for E4B as its conf declared it (compiler work files, rank files, archive; not measured by the seed).
-    disk_fixed_gb=CPU.disk_fixed_gb,
-    disk_per_byte=(120 - CPU.disk_fixed_gb) / E4B_BF16_RANKS_GB,
-)
-
-# xla: the cpu backend's figures, plus torch-xla's runtime in the one process that lowers the ranks (one after the
-# other) and a second copy of a rank's weights on the XLA device (its CPU client holds its own buffers). Measured on
-# the tiny model only, from build.json and validation.json: the trace's rank process 1.02 GiB, the validation's rank
-# process 1.00 GiB (torch 2.8 and torch-xla imported), a third added; the per-byte factors are the cpu backend's plus
-# one copy, not measured.
-XLA_FIXED_GB = 1.4
-XLA = replace(CPU, graph_fixed_gb=XLA_FIXED_GB, graph_per_byte=CPU.graph_per_byte + 1.0, load_rank_gb=XLA_FIXED_GB,
-              validate_per_byte=CPU.validate_per_byte + 1.0)
 
 
 class BackendNeeds(Protocol):

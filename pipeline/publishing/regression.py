@@ -5,14 +5,16 @@ Compared, from the validation summaries both manifests carry: parity must still 
 and its teacher-forced match may fall by at most ``teacher_forced_drop``; decode tokens/s (the slowest context) may
 fall by at most ``tokens_per_s_drop`` and time to first token rise by at most ``ttft_ms_rise`` (fractions of the
 previous figures). Throughput is compared only between builds measured on the same backend and hardware, and only for
-the backends in ``throughput_backends`` (by default neuron: the cpu backend's timings swing with the machine's
-load); other pairs are recorded as not comparable. The outcome, every row, is recorded in the published manifest
-(``regression``), including when ``publish.allow_regression=true`` let a regression through.
+the backends in ``throughput_backends`` (by default those whose entry says their timings compare, neuron: the cpu
+backend's timings swing with the machine's load); other pairs are recorded as not comparable. The outcome, every
+row, is recorded in the published manifest (``regression``), including when ``publish.allow_regression=true`` let a
+regression through.
 """
 
 from __future__ import annotations
 
 from pipeline.artifact.manifest import Manifest
+from pipeline.backends.registry import BACKENDS
 from pipeline.core.errors import PublishError
 
 
@@ -23,6 +25,13 @@ def _row(check: str, previous, current, limit, passed: bool) -> dict:
         change = round((current - previous) / previous, 4)
     return {"check": check, "previous": previous, "current": current, "change": change, "limit": limit,
             "passed": bool(passed)}
+
+
+def compared_backends(tolerances) -> list[str]:
+    """``publish.regression.throughput_backends``, or where it is null the backends whose timings compare."""
+    if tolerances.throughput_backends is not None:
+        return list(tolerances.throughput_backends)
+    return [name for name, entry in BACKENDS.items() if entry.timings_compare]
 
 
 def compare(previous: dict, current: dict, tolerances) -> dict:
@@ -40,7 +49,7 @@ def compare(previous: dict, current: dict, tolerances) -> dict:
         rows.append(_row("teacher-forced match", prev_tf, cur_tf, f">= {floor}", cur_tf >= floor))
     comparable = ((previous.get("backend"), previous.get("hardware")) == (current.get("backend"),
                                                                           current.get("hardware"))
-                  and current.get("backend") in tolerances.throughput_backends)
+                  and current.get("backend") in compared_backends(tolerances))
     if comparable:
         prev_tps, cur_tps = previous["throughput"]["tokens_per_s"], current["throughput"]["tokens_per_s"]
         least = round(prev_tps * (1 - tolerances.tokens_per_s_drop), 3)

@@ -61,7 +61,7 @@ def demo_reasons(manifest: Manifest) -> list[str]:
     reasons = []
     if not manifest.model.hub_id:
         reasons.append(f"its model, {manifest.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
-    if not backend_entry(manifest.backend).for_inferentia:
+    if not backend_entry(manifest.backend).hub_releases:
         reasons.append(f"it was built by the {manifest.backend} backend, not compiled for Inferentia")
     return reasons
 
@@ -92,7 +92,7 @@ def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
     reasons = []
     if not cfg.model.hub_id:
         reasons.append(f"its model, {cfg.model.name!r}, is the embedded tiny test model, not a Hub checkpoint")
-    if not backend_entry(backend).for_inferentia:
+    if not backend_entry(backend).hub_releases:
         reasons.append(f"it would be built by the {backend} backend, not compiled for Inferentia")
     if reasons and not pub.allow_demo:
         found.append("the build is a demo build: " + "; ".join(reasons) + ". Build the real model on an inf2 host "

@@ -123,8 +123,8 @@ def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain:
 def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
     """Digest of exactly what decides the rank files' bytes; the version names its start (package.version_name).
 
-    The backend's entry (pipeline/backends/registry.py) names the packages and the code (pipeline/backends/
-    build_code.py) that do. The build fingerprint hashes all of CODE["trace"] (any backend's code, as dvc.yaml does),
+    The backend's entry (pipeline/backends/registry.py) names the packages and the code (its ``build_code``) that
+    do. The build fingerprint hashes all of CODE["trace"] (any backend's code, as dvc.yaml does),
     so an edit anywhere there rebuilds; only an edit in the build code can make other bytes, and so a new version.
     Narrower than the build fingerprint, which also rebuilds on what only might change them (the host's Neuron system
     packages, another backend's code, transformers): such a rebuild gives the same files under the same version, and

@@ -66,7 +66,7 @@ def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
     """A neuron build is validated against a throughput floor for its hardware, or not at all: without one the gate
     would pass anything, and a release would ship unmeasured."""
     key, _ = cfg.validate.throughput.floor(backend, hardware)
-    if backend_entry(backend).for_inferentia and key is None:
+    if backend_entry(backend).needs_throughput_floor and key is None:
         known = sorted(cfg.validate.throughput.floors.get(backend, {}))
         raise ConfigError(f"hardware={hardware!r} has no {backend} throughput floor (validate.throughput.floors."
                           f"{backend} has {known}): validate {backend} builds on an inf2 host (hardware=auto detects "
