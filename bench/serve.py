@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 QUESTION = "What is the capital of France?"
 BASELINE = r"""
 import sys
-import pipeline.cli.serve, pipeline.serving.api, pipeline.serving.engine, torch, transformers, uvicorn
+import pipeline.cli.serve, pipeline.serving.engine, pipeline.serving.routes, torch, transformers, uvicorn
 from transformers import AutoTokenizer
 AutoTokenizer.from_pretrained(sys.argv[1])
 for line in open("/proc/self/status"):

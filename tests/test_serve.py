@@ -399,7 +399,8 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
     waited for the tokenizer when prompts were tokenized on the event loop)."""
     import asyncio
 
-    from pipeline.serving.api import Service, create_app
+    from pipeline.serving.routes import create_app
+    from pipeline.serving.service import Service
 
     held, release, outcome = threading.Event(), threading.Event(), {}
 
@@ -446,8 +447,9 @@ def test_a_requests_own_failure_is_its_answer_and_only_the_ranks_failing_stops_t
     and the next is served (any decode error failed the server for everyone); the ranks' failing stops the server."""
     import asyncio
 
-    from pipeline.serving.api import Service, create_app
     from pipeline.serving.engine import Finish, Piece, RanksFailed
+    from pipeline.serving.routes import create_app
+    from pipeline.serving.service import Service
 
     class Engine:
         version, max_prompt_chars, vocab_size = "v", 10_000, 512
@@ -666,7 +668,8 @@ def test_the_queue_bound_holds_for_requests_arriving_together_and_during_a_hand_
 
     from prometheus_client import CollectorRegistry, Gauge
 
-    from pipeline.serving.api import Admission, Refused
+    from pipeline.serving.admission import Admission
+    from pipeline.serving.schemas import Refused
 
     async def scenario() -> tuple[list, list, list[int], int]:
         admission = Admission(queue_size=2, queue_timeout_s=30, depth=Gauge("d", "", registry=CollectorRegistry()))

@@ -560,8 +560,20 @@ def keep_beside(work: Path, target: Path) -> None:
         pulled.signature_beside(target).unlink(missing_ok=True)
 
 
-def add_trust_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags by which a user takes, by name, what the signed index's bounds would refuse (pull and serve)."""
+def add_source_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags by which pull and serve find, trust and reuse a published version."""
+    parser.add_argument("--dest", type=Path, default=None,
+                        help=f"where a pulled version is unpacked (default: {versions_dir()}, the cache folder; "
+                             f"{CACHE_ENV} moves it)")
+    parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
+    parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
+    parser.add_argument("--offline", action="store_true",
+                        help="ask no source: use a version already pulled into --dest (a variant's name takes the one "
+                             "of that variant pulled last); SOURCE is then only named, not read")
+    parser.add_argument("--verify-full", action="store_true",
+                        help="hash every file of a version already pulled, instead of trusting its unchanged size, "
+                             "mtime, ctime and inode since pull last hashed it")
+    # What the signed index's bounds would refuse, taken by name.
     parser.add_argument("--allow-older", metavar="VERSION",
                         help="take VERSION although this client already took a newer version of its variant from "
                              "this source (with --public-key: a rollback is refused unless named)")
@@ -576,21 +588,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("source", help="a local publish folder, or a Hugging Face repo id")
     parser.add_argument("version", help="a published version (<variant>-<compiler>-<inputs>), or a variant's name for "
                                         "its newest published version")
-    parser.add_argument("--dest", type=Path, default=None,
-                        help=f"where the rank directory is created (default: {versions_dir()}, the cache folder; "
-                             f"{CACHE_ENV} moves it)")
-    parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
-    parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
-    parser.add_argument("--offline", action="store_true",
-                        help="ask no source: only a version already pulled into --dest (a variant's name takes the one "
-                             "of that variant pulled last); SOURCE is then only named, not read")
-    parser.add_argument("--verify-full", action="store_true",
-                        help="hash a version already pulled in full, instead of trusting its files' unchanged "
-                             "size, mtime, ctime and inode since they were last hashed")
+    add_source_flags(parser)
     parser.add_argument("--any-host", action="store_true",
                         help="fetch and verify without judging whether this host can run it (to serve it elsewhere, "
                              "or to build an image on another machine); a variant's name then takes its newest")
-    add_trust_flags(parser)
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():

@@ -12,7 +12,7 @@ taken first, so a port in use is named before any work. The server then listens 
 background: ``GET /health`` answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200
 ``ready``.
 
-Routes (pipeline/serving/api.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
+Routes (pipeline/serving/routes.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
 version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
 ``GET /metrics``. One request decodes at a time; up to ``--queue-size`` wait, each up to ``--queue-timeout`` seconds.
 A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read, one slower than
@@ -40,7 +40,7 @@ from pathlib import Path
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.cli import add_decode_threads, plain
-from pipeline.cli.pull import add_trust_flags, host_toolchain, judged, pull, source_for
+from pipeline.cli.pull import add_source_flags, host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
 from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
@@ -106,8 +106,8 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
     failed (the server stops at once: a server that will never be ready must not look alive)."""
     import uvicorn
 
-    from pipeline.serving.api import create_app
     from pipeline.serving.connections import OncePer, bounded_protocol
+    from pipeline.serving.routes import create_app
 
     failed = threading.Event()
 
@@ -166,16 +166,7 @@ def arguments() -> argparse.ArgumentParser:
                                                    "needed for a pulled directory)")
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="the original checkpoint (tokenizer, config, embedding tables)")
-    parser.add_argument("--dest", type=Path, default=None,
-                        help=f"where a pulled version is unpacked (default: {versions_dir()}, the cache folder)")
-    parser.add_argument("--public-key", help="PEM public key the manifest's signature must verify with")
-    parser.add_argument("--allow-unsigned", action="store_true", help="accept a version no key verifies")
-    parser.add_argument("--offline", action="store_true",
-                        help="ask no source: serve a version already pulled into --dest (a variant's name: the one "
-                             "of that variant pulled last that fits this host)")
-    parser.add_argument("--verify-full", action="store_true",
-                        help="hash every rank file before loading, even where pull's record vouches for them")
-    add_trust_flags(parser)
+    add_source_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
@@ -212,8 +203,8 @@ def main(argv: list[str]) -> int:
         if args.max_request_bytes < 1024:
             raise InputError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024 (a chat request's "
                              "JSON alone is a few hundred bytes)")
-        from pipeline.serving.api import Service
         from pipeline.serving.engine import Engine
+        from pipeline.serving.service import Service
 
         sock = take_port(args.host, args.port)
         try:

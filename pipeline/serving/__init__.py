@@ -1,1 +1,1 @@
-"""Serving a published build: the decode engine (engine.py) and the OpenAI-compatible HTTP routes (api.py)."""
+"""Serving a published build: the decode engine (engine.py) and the OpenAI-compatible HTTP routes (routes.py)."""
