@@ -1,21 +1,9 @@
-"""Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra), and subcommands.
+"""Command line: ``python -m pipeline +variant=NAME [stage=NAME] [overrides]`` (Hydra) builds; ``python -m pipeline
+SUBCOMMAND`` runs one of ``SUBCOMMANDS`` (pull, serve, versions, ...), each ``pipeline/cli/<module>.py``.
 
-Subcommands: ``python -m pipeline pull SOURCE VERSION`` (pipeline/cli/pull.py),
-``python -m pipeline generate RANK_DIR --checkpoint DIR --prompt TEXT`` (pipeline/cli/generate.py),
-``python -m pipeline serve SOURCE [VERSION] --checkpoint DIR`` (pipeline/cli/serve.py: an OpenAI-compatible server),
-``python -m pipeline schedule [OVERRIDE ...]`` (pipeline/cli/schedule.py: many variants at once, memory permitting),
-``python -m pipeline check-upgrades [--apply]`` (pipeline/cli/upgrades.py: a newer Neuron SDK release on the Neuron
-repository?),
-``python -m pipeline install-neuron`` (pipeline/cli/install_neuron.py: one Neuron SDK release from its lock file),
-``python -m pipeline neuron-check`` (pipeline/cli/neuron_check.py: the first run on an inf2 host, every layout),
-``python -m pipeline check-remote`` (pipeline/cli/remote.py: can this host read and write the DVC remote?) and
-``python -m pipeline refresh-index`` (pipeline/cli/refresh_index.py: keep the signed index from expiring).
-
-Runs the stages of docs/design.md in order (toolchain, model, reference, trace, package, validate, publish), or
-the one named by ``stage=``. The configuration is validated in full before any stage starts; a stage whose outputs
-match their inputs' fingerprint is skipped (``force=true`` rebuilds). ``--multirun '+variant=glob(*)'`` builds every
-variant. Errors a user can act on exit with code 1 and a message naming the setting and the fix; a misspelt
-subcommand or configuration key exits with code 2 before anything starts, naming the nearest real one.
+A build runs the stages of docs/design.md in order, or the one ``stage=`` names, after validating the whole
+configuration; a stage whose outputs match their inputs' fingerprint is skipped. A user's error exits 1 naming the
+setting and the fix; a misspelt subcommand or key exits 2 before anything starts, naming the nearest real one.
 """
 
 from __future__ import annotations
@@ -64,81 +52,28 @@ def _hydra_entry() -> None:
     task()
 
 
-def _pull(argv: list[str]) -> int:
-    from pipeline.cli.pull import main as pull_main
-
-    return pull_main(argv)
-
-
-def _versions(argv: list[str]) -> int:
-    from pipeline.cli.versions import main as versions_main
-
-    return versions_main(argv)
-
-
-def _generate(argv: list[str]) -> int:
-    from pipeline.cli.generate import main as generate_main
-
-    return generate_main(argv)
-
-
-def _serve(argv: list[str]) -> int:
-    from pipeline.cli.serve import main as serve_main
-
-    return serve_main(argv)
-
-
-def _schedule(argv: list[str]) -> int:
-    from pipeline.cli.schedule import main as schedule_main
-
-    return schedule_main(argv)
-
-
-def _check_upgrades(argv: list[str]) -> int:
-    from pipeline.cli.upgrades import main as upgrades_main
-
-    return upgrades_main(argv)
-
-
-def _install_neuron(argv: list[str]) -> int:
-    from pipeline.cli.install_neuron import main as install_main
-
-    return install_main(argv)
-
-
-def _neuron_check(argv: list[str]) -> int:
-    from pipeline.cli.neuron_check import main as check_main
-
-    return check_main(argv)
-
-
-def _check_remote(argv: list[str]) -> int:
-    from pipeline.cli.remote import main as remote_main
-
-    return remote_main(argv)
-
-
-def _refresh_index(argv: list[str]) -> int:
-    from pipeline.cli.refresh_index import main as refresh_main
-
-    return refresh_main(argv)
-
-
-SUBCOMMANDS = {  # name: (entry point, what it does)
-    "versions": (_versions, "list what a repository publishes, and which versions fit this host (--json for scripts)"),
-    "pull": (_pull, "fetch a published version (or a variant's newest that fits this host), verify it, unpack it"),
-    "generate": (_generate, "run a pulled or built version on a prompt (greedy), with its timing"),
-    "serve": (_serve, "serve a published version over HTTP (OpenAI-compatible routes, /generate, /health, /metrics)"),
-    "schedule": (_schedule, "build many variants at once, as memory and NeuronCores allow"),
-    "check-upgrades": (_check_upgrades, "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
-                                        "then rebuild)"),
-    "install-neuron": (_install_neuron, "install a Neuron SDK release from its lock file, every file by sha256 (the "
-                                        "first install on an inf2 host)"),
-    "neuron-check": (_neuron_check, "the first run on an inf2 host: every layout, built and checked"),
-    "check-remote": (_check_remote, "can this host read and write the DVC remote? (before a rebuild's build work)"),
-    "refresh-index": (_refresh_index, "write the published signed index again before it expires (the scheduled "
-                                      "rebuild runs it)"),
+SUBCOMMANDS = {  # name: (its module under pipeline/cli/, imported only when it runs; what it does)
+    "versions": ("versions", "list what a repository publishes, and which versions fit this host (--json for scripts)"),
+    "pull": ("pull", "fetch a published version (or a variant's newest that fits this host), verify it, unpack it"),
+    "generate": ("generate", "run a pulled or built version on a prompt (greedy), with its timing"),
+    "serve": ("serve", "serve a published version over HTTP (OpenAI-compatible routes, /generate, /health, /metrics)"),
+    "schedule": ("schedule", "build many variants at once, as memory and NeuronCores allow"),
+    "check-upgrades": ("upgrades", "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
+                                   "then rebuild)"),
+    "install-neuron": ("install_neuron", "install a Neuron SDK release from its lock file, every file by sha256 (the "
+                                         "first install on an inf2 host)"),
+    "neuron-check": ("neuron_check", "the first run on an inf2 host: every layout, built and checked"),
+    "check-remote": ("remote", "can this host read and write the DVC remote? (before a rebuild's build work)"),
+    "refresh-index": ("refresh_index", "write the published signed index again before it expires (the scheduled "
+                                       "rebuild runs it)"),
 }
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    """Its module's ``main(argv)``: imported here, so a build pays for no subcommand's imports."""
+    import importlib
+
+    return importlib.import_module(f"pipeline.cli.{SUBCOMMANDS[name][0]}").main(argv)
 
 
 def overview() -> str:
@@ -259,7 +194,7 @@ def main() -> None:
             sys.exit(2)
         if first in SUBCOMMANDS:
             sys.argv.pop(1)
-            sys.exit(SUBCOMMANDS[first][0](sys.argv[1:]))
+            sys.exit(run_subcommand(first, sys.argv[1:]))
         problem = not_a_subcommand(first) if first else None
         if problem:
             print(problem, file=sys.stderr)

@@ -1,41 +1,9 @@
 """``python -m pipeline check-upgrades [--apply]``: does the Neuron repository offer a newer SDK release?
 
-The Neuron packages (torch-neuronx, neuronx-cc, neuronx-distributed, libneuronxla) move together, as the rows of
-``pipeline/backends/neuron_sdk.py``'s ``RELEASES`` table (the trace stage refuses any other mix). This command
-identifies the installed packages (in the environment of ``--python``, default this interpreter) as one row, reads
-the Neuron repository's PEP 503 pages for the four packages, and takes as the target the newest row whose every
-version the repository offers (torch-neuronx: the build for the installed torch, ``--torch`` to move torch too).
-
-The versions come ONLY from the Neuron repository (``--neuron-index``, default https://pip.repos.neuron.amazonaws.com,
-or a mirror of it): never from pip's index settings. pip takes the highest version from all its indexes, the
-``--extra-index-url`` ones included, with no priority between them, so a placeholder or a hostile upload to PyPI
-would otherwise win (pip's docs, "pip install" --extra-index-url, and its "Dependency confusion" note in
-"Secure installs"). A repository that does not answer is an error naming it.
-
-Prints a table (``--json``: a JSON document with the installed and target rows). Exit codes, which
-deploy/rebuild.sh acts on:
-
-    0  up to date (the installed release is the newest the repository offers completely)
-    3  an upgrade is available, or no Neuron package is installed (``--apply`` installs the target release)
-    4  the repository offers a version newer than every row of the table (a Neuron release this pipeline does not
-       know yet): add its row to pipeline/backends/neuron_sdk.py from Neuron's n2-manifest.json. Nothing is
-       installed, even with --apply, until the table knows the newest release (one rebuild, straight to it).
-    1  error: the repository does not answer or has no page for a package, pip failed, the installed packages are
-       not one release of the table (a mix or unknown versions; ``--apply`` replaces them with the target release),
-       or ``--apply`` would install a package the Neuron repository serves from a file not listed there
-    2  bad arguments
-
-``--apply`` installs the target release from its lock file (``--lock-dir``, default deploy/lock/, one file per
-release: pipeline/cli/neuron_lock.py), every file by URL and sha256, making the lock first when it is missing (each
-Neuron package, and any dependency the Neuron repository serves, such as aws-neuronx-runtime-discovery, only from a
-file on its page, or nothing is installed; see ``lock_entries``), then runs the rebuild command (default
-``dvc repro``): the toolchain stage records the new versions, and DVC re-runs trace, package, validate and publish for
-every variant, while the model and reference stay cached. It exits with the rebuild's status (0 when nothing needed
-upgrading). A lock it wrote is to be committed (the scheduled workflow commits it with dvc.lock).
-
-    python -m pipeline check-upgrades
-    python -m pipeline check-upgrades --apply
-    python -m pipeline check-upgrades --neuron-index https://neuron-mirror.example/simple --json
+The installed Neuron packages are identified as one row of ``pipeline/backends/neuron_sdk.py``'s ``RELEASES``; the
+target is the newest row the Neuron repository (``--neuron-index``, never pip's own index settings: pip gives its
+indexes no priority, so a public upload would win) offers completely. ``--apply`` installs it from its hash-pinned
+lock file (made first when missing) and runs the rebuild. Exit codes and every case: docs/rebuilds.md.
 """
 
 from __future__ import annotations
@@ -424,26 +392,13 @@ def checked_files(index: str, chosen: list[dict], available: dict[str, list[Offe
 
 def lock_entries(python: str | None, index: str, release: str, versions: dict[str, str],
                  available: dict[str, list[Offer]], base_lock: Path | None) -> list[neuron_lock.Locked]:
-    """What release ``release`` adds to an environment installed from ``base_lock``, each file pinned; every package
-    whose name the Neuron repository serves from that repository alone.
+    """What release ``release`` adds to an environment installed from ``base_lock``, each file pinned, every name the
+    Neuron repository serves taken from it alone (pip would take a higher public upload of such a name).
 
-    pip gives its indexes no priority, ``--extra-index-url`` ones included, and takes the highest version from any of
-    them (pip's docs, "pip install" --extra-index-url, and "Secure installs", "Dependency confusion"), and some of the
-    release's dependencies are Neuron packages too (torch-neuronx requires aws-neuronx-runtime-discovery, which only
-    the Neuron repository serves): a higher upload of such a name to PyPI would win. So the release is resolved twice,
-    as dry runs with ``--ignore-installed`` (the lock does not depend on what this environment happens to hold):
-
-    1. with your pip settings plus the Neuron repository, constrained to the base lock's versions: this finds the
-       public packages the release needs (numpy, ...) and the files of them pip would fetch;
-    2. with the Neuron repository as the only index, those public files given as constraints (``name @ url``: a
-       constraint installs nothing by itself): every other package, each Neuron-served dependency among them, can only
-       come from the Neuron repository, within the release's own requirements.
-
-    The four Neuron packages are direct references to their files on the Neuron repository (``name @ url``, PEP
-    440) in both: pip asks no index for a project with an explicit URL requirement (resolution/resolvelib/factory.py
-    ``_iter_found_candidates``). A Neuron-served name that the first resolution took from elsewhere is logged as a
-    warning (who uploaded it?) and never locked; ``checked_files`` holds every locked Neuron name to a file listed on
-    its page.
+    Resolved twice, as dry runs with ``--ignore-installed``: with your pip settings plus the Neuron repository under
+    the base lock's versions (the public files the release needs), then with the Neuron repository as the only index
+    and those files as constraints. The four Neuron packages are ``name @ url`` in both (pip asks no index for them:
+    resolvelib/factory.py ``_iter_found_candidates``); ``checked_files`` holds each locked Neuron name to its page.
     """
     if base_lock is None or not base_lock.is_file():
         log.warning("check-upgrades: no base lock at %s: the new lock is resolved against nothing and locks every "
