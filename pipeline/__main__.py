@@ -46,8 +46,8 @@ def _hydra_entry() -> None:
         if cfg is not None:
             summary.write(hydra_cfg.runtime.output_dir, summary.outcome(cfg, error))
         else:
-            summary.write(hydra_cfg.runtime.output_dir, {"variant": hydra_cfg.runtime.choices.get("variant"),
-                                                         "ok": False, "error": error})
+            summary.write(hydra_cfg.runtime.output_dir,
+                          summary.JobOutcome(hydra_cfg.runtime.choices.get("variant"), False, error))
 
     task()
 

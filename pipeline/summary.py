@@ -11,68 +11,78 @@ the variants that failed.
 
 from __future__ import annotations
 
-import json
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from hydra.experimental.callback import Callback
+
+from pipeline.core.records import Record
 
 log = logging.getLogger("pipeline")
 OUTCOME = "outcome.json"
 
 
-def outcome(cfg, error: str | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobOutcome(Record):
+    """What one job of a multirun did (``outcome.json``): the variant, whether it succeeded, its error, and what its
+    records say (absent where they say nothing)."""
+
+    KIND = "multirun job outcome"
+    MAKE = "the job wrote none"
+
+    variant: str | None
+    ok: bool
+    error: str | None
+    parity: bool | None = None
+    tokens_per_s: float | None = None
+    ttft_ms: float | None = None
+    version: str | None = None
+    published: str | None = None
+    """``<repo> @ <commit>`` of the version's publish."""
+
+
+def outcome(cfg, error: str | None) -> JobOutcome:
     """What one job of a multirun did, from the variant's records (absent ones left out)."""
-    from pipeline.core.fsutil import read_json
+    from pipeline.core.build_records import PublishReceipt
     from pipeline.paths import Paths
     from pipeline.validation.records import ValidationRecord
 
-    row: dict[str, Any] = {"variant": cfg.variant.name if cfg.variant else None, "ok": error is None,
-                           "error": error}
+    row = JobOutcome(cfg.variant.name if cfg.variant else None, error is None, error)
     if cfg.variant is None:
         return row
     paths = Paths.of(cfg)
     report = ValidationRecord.read_if_valid(paths.validation_report)
     if report is not None:
-        row.update(parity=report.parity.passed, tokens_per_s=report.throughput.tokens_per_s,
-                   ttft_ms=report.throughput.ttft_ms, version=report.version)
-    try:
-        receipt = read_json(paths.receipt)
-    except (OSError, ValueError):
-        return row
-    row.update(version=receipt["version"], published=f"{receipt['repo']} @ {receipt['commit'][:12]}")
+        row = replace(row, parity=report.parity.passed, tokens_per_s=report.throughput.tokens_per_s,
+                      ttft_ms=report.throughput.ttft_ms, version=report.version)
+    receipt = PublishReceipt.read_if_valid(paths.receipt)
+    if receipt is not None:
+        row = replace(row, version=receipt.version, published=f"{receipt.repo} @ {receipt.commit[:12]}")
     return row
 
 
-def write(folder: Path, row: dict[str, Any]) -> None:
-    from pipeline.core.fsutil import atomic_write_json
-
-    atomic_write_json(Path(folder) / OUTCOME, row)
+def write(folder: Path, row: JobOutcome) -> None:
+    row.write(Path(folder) / OUTCOME)
 
 
-def read_all(sweep_dir: Path) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted(Path(sweep_dir).glob(f"*/{OUTCOME}"), key=lambda p: int(p.parent.name)
-                       if p.parent.name.isdigit() else 0):
-        try:
-            rows.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return rows
+def read_all(sweep_dir: Path) -> list[JobOutcome]:
+    """Every job's outcome, in job order; one that cannot be read is left out (its job ended before writing it)."""
+    paths = sorted(Path(sweep_dir).glob(f"*/{OUTCOME}"),
+                   key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+    return [row for row in (JobOutcome.read_if_valid(path) for path in paths) if row is not None]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    def cell(row, key, fmt="{}"):
-        value = row.get(key)
+def table(rows: list[JobOutcome]) -> str:
+    def cell(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)
 
     lines = [f"  {'variant':<22} {'result':<7} {'parity':<7} {'tok/s':>7} {'TTFT ms':>8}  {'version':<44} published"]
     for row in rows:
-        parity = "-" if row.get("parity") is None else ("pass" if row["parity"] else "FAIL")
-        lines.append(f"  {cell(row, 'variant'):<22} {'ok' if row['ok'] else 'FAILED':<7} {parity:<7} "
-                     f"{cell(row, 'tokens_per_s', '{:.1f}'):>7} {cell(row, 'ttft_ms', '{:.0f}'):>8}  "
-                     f"{cell(row, 'version'):<44} {cell(row, 'published')}")
+        parity = "-" if row.parity is None else ("pass" if row.parity else "FAIL")
+        lines.append(f"  {cell(row.variant):<22} {'ok' if row.ok else 'FAILED':<7} {parity:<7} "
+                     f"{cell(row.tokens_per_s, '{:.1f}'):>7} {cell(row.ttft_ms, '{:.0f}'):>8}  "
+                     f"{cell(row.version):<44} {cell(row.published)}")
     return "\n".join(lines)
 
 
@@ -84,7 +94,7 @@ class MultirunSummary(Callback):
         rows = read_all(Path(str(config.hydra.sweep.dir)))
         if not rows:
             return
-        failed = [r for r in rows if not r["ok"]]
+        failed = [r for r in rows if not r.ok]
         log.info("multirun: %d variant(s), %d succeeded, %d failed:\n%s", len(rows),
                  len(rows) - len(failed), len(failed), table(rows))
         if config.model.get("source") == "tiny" and config.model.get("path") is None:
@@ -93,7 +103,7 @@ class MultirunSummary(Callback):
             log.info("multirun: built from %s", MEANINGLESS)  # make demo's last words: what a newcomer reads first
         if failed:
             for row in failed:
-                log.error("multirun: %s failed: %s", row["variant"], row["error"])
+                log.error("multirun: %s failed: %s", row.variant, row.error)
             # SystemExit: Hydra turns a callback's Exception into a warning and carries on.
             raise SystemExit(f"multirun: {len(failed)} of {len(rows)} variant(s) failed: "
-                             + ", ".join(str(r["variant"]) for r in failed))
+                             + ", ".join(str(r.variant) for r in failed))

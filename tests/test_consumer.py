@@ -33,6 +33,7 @@ from pipeline.publishing import index, layout
 from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import publish
 from pipeline.stages.toolchain import PACKAGES
+from pipeline.validation.records import Metrics, ParityVerdict, PeakRss
 
 from . import fake_sdk
 
@@ -63,6 +64,10 @@ def neuron_manifest(base: Manifest, release: str, inputs: str) -> Manifest:
                    compiler=Compiler(compiler, (), versions), toolchain=toolchain)
 
 
+# metrics.json of a version these tests publish by hand (what it holds is no test's concern)
+NO_METRICS = Metrics(ParityVerdict(True, "exact"), {}, {}, PeakRss(None, 0.0))
+
+
 def later(minutes: int) -> str:
     """A publish time ``minutes`` after now (after the shared build's own publish), in the index's format."""
     return (datetime.now(timezone.utc) + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -74,7 +79,7 @@ def publish_as(repo: Path, archive: Path, manifest: Manifest, when: str, monkeyp
     monkeypatch.setattr(index, "now", lambda: when)
 
     def prepare(previous):
-        return publish.repo_files(VARIANT, archive, manifest, {}, private_key), manifest
+        return publish.repo_files(VARIANT, archive, manifest, NO_METRICS, private_key), manifest
 
     publish.publish_version(LocalRepo(repo), manifest.version, VARIANT, prepare, manifest, "local", str(repo), archive,
                             private_key, expiry_days=7)

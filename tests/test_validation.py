@@ -149,6 +149,37 @@ def test_metrics_hold_the_headline_figures_only(project):
     }
 
 
+def test_metrics_receipt_and_a_jobs_outcome_are_read_strictly_and_write_the_same_bytes(project, tmp_path):
+    """metrics.json, publish.json and a multirun job's outcome.json are typed records: what the stages wrote reads
+    back and writes the same bytes; an edited one is refused naming the file, the key and the stage to run again."""
+    from pipeline.core.build_records import PublishReceipt
+    from pipeline.stages import validate as validate_stage
+    from pipeline.summary import JobOutcome
+    from pipeline.validation.records import Metrics
+
+    paths = Paths(project, "gemma4_tiny", "512_fp32")
+    cfg = config(project, *FAST_VALIDATE)
+    for kind, path in ((Metrics, paths.metrics), (PublishReceipt, paths.receipt)):
+        record = kind.read(path)
+        record.write(tmp_path / path.name)
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
+    assert validate_stage.load(cfg).parity.passed is True
+    root = clone_variant(project, tmp_path)
+    edited = Paths(root, "gemma4_tiny", "512_fp32").metrics
+    data = read_json(edited)
+    data["tokens_per_s"] = {"short": "fast"}
+    atomic_write_json(edited, data)
+    with pytest.raises(PipelineError, match=r"metrics.json is not a valid metrics record:\n  - field "
+                                            r"tokens_per_s.short has the wrong type .*\nIt was written by another "
+                                            r"release .* run stage=validate force=true"):
+        validate_stage.load(config(root, *FAST_VALIDATE))
+    outcome = JobOutcome("512_fp32", True, None, parity=True, tokens_per_s=12.5)
+    outcome.write(tmp_path / "outcome.json")
+    assert read_json(tmp_path / "outcome.json") == {"variant": "512_fp32", "ok": True, "error": None, "parity": True,
+                                                    "tokens_per_s": 12.5}
+    assert JobOutcome.read(tmp_path / "outcome.json") == outcome
+
+
 # The keys validation.json had before it was typed: existing validations have exactly these.
 VALIDATION_KEYS = {"fingerprint", "version", "archive_sha256", "backend", "hardware", "coverage", "signature",
                    "preflight", "gates", "throughput_gate", "parity", "throughput", "contexts", "costs_s",

@@ -144,3 +144,22 @@ class BuildRecord(Record):
     @property
     def shape(self) -> BuildShape:
         return self.variant.shape
+
+
+@dataclass(frozen=True)
+class PublishReceipt(Record):
+    """``publish.json``: where the publish stage put a version (written when it changed: DVC and make see its mtime)."""
+
+    KIND = "publish receipt"
+    MAKE = "run stage=publish first"
+    FIX = "It was written by another release of the pipeline, or edited: run stage=publish force=true"
+
+    target: str
+    """``local`` or ``hub`` (``publish.target``)."""
+    repo: str
+    """The folder or the Hub repository it went to."""
+    version: str
+    tag: str
+    commit: str
+    fingerprint: str
+    archive_sha256: str

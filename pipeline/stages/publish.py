@@ -33,6 +33,7 @@ from pipeline.artifact.archive import verify_file
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
+from pipeline.core.build_records import PublishReceipt
 from pipeline.core.errors import PublishError
 from pipeline.core.fsutil import json_text, sha256_bytes, write_json_if_changed
 from pipeline.core.log import log
@@ -45,7 +46,7 @@ from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult, StageStatus
 from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
-from pipeline.validation.records import ValidationRecord
+from pipeline.validation.records import Metrics, ValidationRecord
 
 
 def validation_summary(report: ValidationRecord) -> dict:
@@ -145,12 +146,12 @@ def read_manifest(raw: bytes | None, where: str) -> Manifest | None:
     return Manifest.from_bytes(raw, where) if raw else None
 
 
-def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: dict, private_key: str | None) -> dict:
+def repo_files(variant: str, archive: Path, manifest: Manifest, metrics: Metrics, private_key: str | None) -> dict:
     """The version's files in the repo layout (pipeline/publishing/layout.py); the published manifest is signed again
     (it now carries the validation summary), so that pull can verify it."""
     manifest_path = layout.path_in(variant, layout.MANIFEST)
     files = {layout.path_in(variant, archive.name): archive, manifest_path: dump(manifest.to_json()),
-             layout.path_in(variant, layout.METRICS): dump(metrics)}
+             layout.path_in(variant, layout.METRICS): dump(metrics.to_json())}
     if private_key:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / signing.MANIFEST).write_bytes(files[manifest_path])
@@ -374,10 +375,9 @@ def run(cfg: PipelineConfig) -> StageResult:
     if pub.target != "local":
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
     result, where = on_target(cfg, publish, f"publishing {version}")
-    write_json_if_changed(paths.receipt, {  # an unchanged receipt keeps its mtime (DVC and make see no change)
-        "target": pub.target, "repo": where, "version": version, "tag": version, "commit": result["commit"],
-        "fingerprint": manifest.fingerprint, "archive_sha256": manifest.archive.sha256,
-    })
+    receipt = PublishReceipt(pub.target, where, version, version, result["commit"], manifest.fingerprint,
+                             manifest.archive.sha256)
+    write_json_if_changed(paths.receipt, receipt.to_json())  # unchanged: its mtime kept (DVC and make see no change)
     log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
              "new commit" if result["created"] else "archive repaired" if result["repaired"] else "already there")
     status = StageStatus.ran if result["created"] or result["repaired"] else StageStatus.skipped

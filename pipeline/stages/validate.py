@@ -10,7 +10,7 @@ and hardware. A failing gate fails the stage with a table of the numbers, after 
 The worker logs one line per prompt and per context length as it goes; they show in this stage's output.
 
 Writes, under ``artifacts/<model>/<variant>/``:
-  ``metrics.json``     the headline figures for ``dvc metrics show`` / ``diff`` (``headline``): parity verdict and
+  ``metrics.json``     the headline figures for ``dvc metrics show`` / ``diff`` (``Metrics``): parity verdict and
                        mode, decode tokens/s and time to first token per context length, peak RSS
   ``validation.json``  everything else: what was validated and how, the gates, parity and throughput in full
                        (NxDI's ``latency_ms_p50`` ... ``throughput`` keys beside ``tokens_per_s``, ``ms_per_token``,
@@ -39,7 +39,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
-from pipeline.core.records import encode, fingerprint, read_record, require_record
+from pipeline.core.records import encode, fingerprint, read_record
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -53,6 +53,7 @@ from pipeline.validation.records import (
     GateCheck,
     Gates,
     Measured,
+    Metrics,
     ThroughputGate,
     ThroughputSummary,
     ValidationRecord,
@@ -117,25 +118,6 @@ def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need:
         raise from_record(result) or PipelineError(
             f"validation could not run: {result['error_type']}: {result['error']}\nits last lines:\n" + "\n".join(tail))
     return Measured.from_json(result["metrics"], "the validation process's result")
-
-
-def headline(measured: Measured) -> dict:
-    """metrics.json: the figures a person compares across builds, few enough for ``dvc metrics show`` to print one
-    short row per variant. Everything else the validation measured is in validation.json.
-
-    ``tokens_per_s.<context>``: decode speed at that context length, new tokens per second (1 / the mean decode
-    step latency; not NxDI's end-to-end ``throughput``, which is in validation.json). ``ttft_ms.<context>``: time to
-    the first new token (the prefill), median over the runs. ``peak_rss_mb``: the validation process's (``host``)
-    and the largest rank process's (``ranks``; null where the ranks run inside the host process) peak resident
-    memory.
-    """
-    contexts = measured.contexts
-    return {
-        "parity": {"passed": measured.parity.passed, "mode": measured.parity.mode},
-        "tokens_per_s": {name: c.tokens_per_s for name, c in contexts.items()},
-        "ttft_ms": {name: c.ttft_ms for name, c in contexts.items()},
-        "peak_rss_mb": encode(measured.peak_rss_mb),
-    }
 
 
 def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str,
@@ -249,7 +231,7 @@ def validation_record(fp: str, manifest: Manifest, hardware: str, coverage: Cove
 def write_records(cfg: PipelineConfig, record: ValidationRecord, measured: Measured) -> None:
     """metrics.json, validation.json (written last: its fingerprint says all is written) and the plot rows."""
     paths = Paths.of(cfg)
-    atomic_write_json(paths.metrics, headline(measured))
+    Metrics.of(measured).write(paths.metrics)
     atomic_write_json(paths.plot_rows, [
         {"context": name, "context_tokens": c.context_tokens, "tokens_per_s": c.tokens_per_s,
          "ms_per_token": c.ms_per_token, "ttft_ms": c.ttft_ms}
@@ -307,9 +289,9 @@ def run(cfg: PipelineConfig) -> StageResult:
     return StageResult("validate", StageStatus.ran, time.monotonic() - started)
 
 
-def load(cfg: PipelineConfig) -> dict:
+def load(cfg: PipelineConfig) -> Metrics:
     """metrics.json (the headline figures)."""
-    return require_record(Paths.of(cfg).metrics, "validate")
+    return Metrics.read(Paths.of(cfg).metrics)
 
 
 def load_report(cfg: PipelineConfig) -> ValidationRecord:

@@ -160,3 +160,37 @@ class ValidationRecord(Measured):
     """The host checked for what loading the build needs, and the measured peaks (pipeline/host/preflight.py)."""
     gates: Gates
     throughput_gate: ThroughputGate
+
+
+@dataclass(frozen=True)
+class ParityVerdict:
+    passed: bool
+    mode: str
+
+
+@dataclass(frozen=True)
+class Metrics(Record):
+    """``metrics.json``: the figures a person compares across builds, few enough for ``dvc metrics show`` to print one
+    short row per variant (everything else is in validation.json); published beside each version.
+
+    ``tokens_per_s.<context>``: decode speed at that context length, new tokens per second (1 / the mean decode step
+    latency; not NxDI's end-to-end ``throughput``). ``ttft_ms.<context>``: time to the first new token, median over
+    the runs. ``peak_rss_mb``: the validation process's and its largest rank process's peak resident memory.
+    """
+
+    KIND = "metrics record"
+    MAKE = "run stage=validate first"
+    FIX = "It was written by another release of the pipeline, or edited: run stage=validate force=true"
+    ERROR = PipelineError
+
+    parity: ParityVerdict
+    tokens_per_s: dict[str, float]
+    ttft_ms: dict[str, float]
+    peak_rss_mb: PeakRss
+
+    @classmethod
+    def of(cls, measured: Measured) -> Metrics:
+        contexts = measured.contexts
+        return cls(ParityVerdict(measured.parity.passed, measured.parity.mode),
+                   {name: c.tokens_per_s for name, c in contexts.items()},
+                   {name: c.ttft_ms for name, c in contexts.items()}, measured.peak_rss_mb)
