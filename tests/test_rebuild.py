@@ -16,8 +16,10 @@ import yaml
 from pipeline.cli.schedule import Budget, Scheduler, Task, choose, variant_tasks
 from pipeline.config import RegressionConfig, ResourceNeed
 from pipeline.core.errors import PublishError
+from pipeline.core.records import encode
 from pipeline.core.shape import BuildShape
 from pipeline.publishing import regression
+from pipeline.validation.records import ValidationSummary
 
 from .helpers import FAST_VALIDATE, a_manifest, config, run
 from .test_spec_and_plan import E4B_CONFIG
@@ -30,43 +32,55 @@ REPO = Path(__file__).resolve().parent.parent
 # -- the regression gate ---------------------------------------------------------------------------------------------
 
 def summary(tokens_per_s: float, ttft_ms: float, matched: int = 2, tf: float | None = 0.97,
-            hardware: str = "inf2_8xlarge") -> dict:
-    return {"parity": {"mode": "logits", "passed": True, "prompts": 2, "prompts_matched": matched,
-                       "teacher_forced_match": tf, "max_abs_dlogit": 0.5},
-            "throughput": {"tokens_per_s": tokens_per_s, "ttft_ms": ttft_ms}, "backend": "neuron",
-            "hardware": hardware}
+            hardware: str = "inf2_8xlarge", backend: str = "neuron") -> ValidationSummary:
+    latency = {f"latency_ms_{k}": 1000 / tokens_per_s for k in ("p50", "p90", "p95", "p99", "p100", "avg")}
+    return ValidationSummary.from_json({
+        "parity": {"mode": "logits", "passed": True, "prompts": 2, "prompts_matched": matched,
+                   "teacher_forced_match": tf, "max_abs_dlogit": 0.5},
+        "throughput": {**latency, "tokens_per_s": tokens_per_s, "ms_per_token": 1000 / tokens_per_s,
+                       "ttft_ms": ttft_ms, "throughput": tokens_per_s, "decode_steps": 8},
+        "contexts": {}, "gates": {"parity": True, "throughput": True, "passed": True}, "backend": backend,
+        "hardware": hardware, "throughput_floor": None}, "a test's summary")
 
 
 def test_regression_rows_and_verdicts():
     tol = RegressionConfig()
     same = regression.compare(summary(36.0, 120.0), summary(35.0, 130.0), tol)
-    assert same["passed"] and [r["check"] for r in same["checks"]] == [
+    assert same.passed and [r.check for r in same.checks] == [
         "parity passed", "prompts matched", "teacher-forced match", "decode tokens/s", "time to first token ms"]
     slower = regression.compare(summary(36.0, 120.0), summary(30.0, 120.0), tol)
-    row = next(r for r in slower["checks"] if r["check"] == "decode tokens/s")
-    assert not slower["passed"] and not row["passed"] and row["change"] == -0.1667 and row["limit"] == ">= 32.4"
-    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 150.0), tol)["passed"]  # first token +25 %
-    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, tf=0.94), tol)["passed"]
-    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, matched=1), tol)["passed"]
+    row = next(r for r in slower.checks if r.check == "decode tokens/s")
+    assert not slower.passed and not row.passed and row.change == -0.1667 and row.limit == ">= 32.4"
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 150.0), tol).passed  # first token +25 %
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, tf=0.94), tol).passed
+    assert not regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, matched=1), tol).passed
     other = regression.compare(summary(36.0, 120.0), summary(3.0, 900.0, hardware="inf2_xlarge"), tol)
-    assert other["passed"] and not other["comparable_throughput"]  # not measured alike: throughput not compared
+    assert other.passed and not other.comparable_throughput  # not measured alike: throughput not compared
     assert "different backends or hardware" in regression.table(other)
-    cpu = {**summary(3.0, 900.0), "backend": "cpu"}
-    assert regression.compare({**summary(36.0, 120.0), "backend": "cpu"}, cpu, tol)["comparable_throughput"] is False
+    cpu = summary(3.0, 900.0, backend="cpu")
+    assert regression.compare(summary(36.0, 120.0, backend="cpu"), cpu, tol).comparable_throughput is False
 
 
 def test_the_gate_refuses_or_records_an_allowed_regression():
-    previous = a_manifest(version="2048_bf16-ncc2.23.6484.0", fingerprint="f" * 64, validation=summary(36.0, 120.0))
+    previous = a_manifest(version="2048_bf16-ncc2.23.6484.0", fingerprint="f" * 64,
+                          validation=encode(summary(36.0, 120.0)))
     with pytest.raises(PublishError, match=r"(?s)regressed against 2048_bf16-ncc2.23.6484.0.*decode tokens/s.*"
                                            r"REGRESSED.*publish.allow_regression=true"):
         regression.gate(previous, "2048_bf16-ncc2.24.0.0", "a" * 64, summary(20.0, 120.0), RegressionConfig(), False)
     record = regression.gate(previous, "2048_bf16-ncc2.24.0.0", "a" * 64, summary(20.0, 120.0), RegressionConfig(),
                              True)
-    assert record["allowed"] and not record["passed"] and record["against"] == "2048_bf16-ncc2.23.6484.0"
+    assert record.allowed and not record.passed and record.against == "2048_bf16-ncc2.23.6484.0"
     assert regression.gate(None, "v", "a" * 64, summary(1.0, 1.0), RegressionConfig(), False) is None  # the first
     # An earlier attempt of this very publish (same fingerprint) is not a previous version: its record is kept.
     landed = replace(previous, regression=record)
     assert regression.gate(landed, "v", "f" * 64, summary(1.0, 1.0), RegressionConfig(), False) == record
+    # A previous summary this release cannot read (another release published it) is refused by its field, and
+    # skipped only where a regression would be allowed anyway.
+    foreign = replace(previous, validation={**encode(summary(36.0, 120.0)), "parity": {"passed": True}})
+    with pytest.raises(PublishError, match=r"manifest \(the target's head\) is not a valid validation summary:\n"
+                                           r"  - missing field parity.mode"):
+        regression.gate(foreign, "v", "a" * 64, summary(20.0, 120.0), RegressionConfig(), False)
+    assert regression.gate(foreign, "v", "a" * 64, summary(20.0, 120.0), RegressionConfig(), True) is None
 
 
 def _tags(root: Path) -> list[str]:

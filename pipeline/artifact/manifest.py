@@ -39,6 +39,33 @@ class ArchiveFile:
 
 
 @dataclass(frozen=True)
+class RegressionCheck:
+    """One row of the regression gate: a figure of the previous and of this version, the limit, and the verdict."""
+
+    check: str
+    previous: Any
+    """A bool, a count or a figure, as the row compares it."""
+    current: Any
+    change: float | None
+    """(current - previous) / previous, where both are numbers and previous is not 0."""
+    limit: str
+    passed: bool
+
+
+@dataclass(frozen=True)
+class RegressionResult:
+    """The comparison with the version of the variant published before (pipeline/publishing/regression.py)."""
+
+    against: str
+    against_fingerprint: str
+    comparable_throughput: bool
+    checks: tuple[RegressionCheck, ...]
+    passed: bool
+    allowed: bool
+    """Regressed, and published anyway by ``publish.allow_regression=true``."""
+
+
+@dataclass(frozen=True)
 class Manifest(Record):
     KIND = "manifest"
     MAKE = "run the package stage first"
@@ -62,8 +89,9 @@ class Manifest(Record):
     archive: ArchiveFile
     created_by: str | None = None
     validation: dict[str, Any] | None = None
-    """Set by publish: the validation summary (stages/publish.py, validation_summary)."""
-    regression: dict[str, Any] | None = None
+    """Set by publish: the validation summary (pipeline/validation/records.py ``ValidationSummary``, read where it is
+    compared: this layer sits below the validation records)."""
+    regression: RegressionResult | None = None
     """Set by publish: the comparison with the previous version of the variant (publishing/regression.py)."""
     signature: dict[str, Any] | None = None
     """Set by publish when a signature (``manifest.sig``, over the published bytes) goes beside it."""

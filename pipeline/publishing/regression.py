@@ -13,18 +13,20 @@ regression through.
 
 from __future__ import annotations
 
-from pipeline.artifact.manifest import Manifest
+from dataclasses import dataclass
+
+from pipeline.artifact.manifest import Manifest, RegressionCheck, RegressionResult
 from pipeline.backends.registry import BACKENDS
 from pipeline.core.errors import PublishError
+from pipeline.validation.records import ValidationSummary
 
 
-def _row(check: str, previous, current, limit, passed: bool) -> dict:
+def _row(check: str, previous, current, limit: str, passed: bool) -> RegressionCheck:
     change = None
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (previous, current))
     if numbers and previous:
         change = round((current - previous) / previous, 4)
-    return {"check": check, "previous": previous, "current": current, "change": change, "limit": limit,
-            "passed": bool(passed)}
+    return RegressionCheck(check, previous, current, change, limit, bool(passed))
 
 
 def compared_backends(tolerances) -> list[str]:
@@ -34,50 +36,62 @@ def compared_backends(tolerances) -> list[str]:
     return [name for name, entry in BACKENDS.items() if entry.timings_compare]
 
 
-def compare(previous: dict, current: dict, tolerances) -> dict:
-    """Rows comparing two validation summaries (``Manifest.validation``), and the verdict."""
-    prev_parity, cur_parity = previous["parity"], current["parity"]
+@dataclass(frozen=True)
+class Comparison:
+    """Rows comparing two validation summaries, and whether throughput was comparable."""
+
+    checks: tuple[RegressionCheck, ...]
+    comparable_throughput: bool
+
+    @property
+    def passed(self) -> bool:
+        return all(row.passed for row in self.checks)
+
+
+def compare(previous: ValidationSummary, current: ValidationSummary, tolerances) -> Comparison:
+    """The rows comparing ``current`` with ``previous``, each with its limit and verdict."""
+    prev_parity, cur_parity = previous.parity, current.parity
     rows = [
-        _row("parity passed", prev_parity["passed"], cur_parity["passed"], "must pass",
-             cur_parity["passed"] or not prev_parity["passed"]),
-        _row("prompts matched", prev_parity["prompts_matched"], cur_parity["prompts_matched"], ">= previous",
-             cur_parity["prompts_matched"] >= prev_parity["prompts_matched"]),
+        _row("parity passed", prev_parity.passed, cur_parity.passed, "must pass",
+             cur_parity.passed or not prev_parity.passed),
+        _row("prompts matched", prev_parity.prompts_matched, cur_parity.prompts_matched, ">= previous",
+             cur_parity.prompts_matched >= prev_parity.prompts_matched),
     ]
-    prev_tf, cur_tf = prev_parity.get("teacher_forced_match"), cur_parity.get("teacher_forced_match")
+    prev_tf, cur_tf = prev_parity.teacher_forced_match, cur_parity.teacher_forced_match
     if prev_tf is not None and cur_tf is not None:
         floor = round(prev_tf - tolerances.teacher_forced_drop, 4)
         rows.append(_row("teacher-forced match", prev_tf, cur_tf, f">= {floor}", cur_tf >= floor))
-    comparable = ((previous.get("backend"), previous.get("hardware")) == (current.get("backend"),
-                                                                          current.get("hardware"))
-                  and current.get("backend") in compared_backends(tolerances))
+    comparable = ((previous.backend, previous.hardware) == (current.backend, current.hardware)
+                  and current.backend in compared_backends(tolerances))
     if comparable:
-        prev_tps, cur_tps = previous["throughput"]["tokens_per_s"], current["throughput"]["tokens_per_s"]
+        prev_tps, cur_tps = previous.throughput.tokens_per_s, current.throughput.tokens_per_s
         least = round(prev_tps * (1 - tolerances.tokens_per_s_drop), 3)
         rows.append(_row("decode tokens/s", prev_tps, cur_tps, f">= {least}", cur_tps >= least))
-        prev_ttft, cur_ttft = previous["throughput"]["ttft_ms"], current["throughput"]["ttft_ms"]
+        prev_ttft, cur_ttft = previous.throughput.ttft_ms, current.throughput.ttft_ms
         most = round(prev_ttft * (1 + tolerances.ttft_ms_rise), 3)
         rows.append(_row("time to first token ms", prev_ttft, cur_ttft, f"<= {most}", cur_ttft <= most))
-    return {"comparable_throughput": comparable, "checks": rows, "passed": all(r["passed"] for r in rows)}
+    return Comparison(tuple(rows), comparable)
 
 
-def table(result: dict) -> str:
+def table(result: Comparison | RegressionResult) -> str:
     lines = [f"  {'check':<24} {'previous':>12} {'current':>12} {'change':>8}  {'limit':<14} result"]
-    for r in result["checks"]:
-        change = "" if r["change"] is None else f"{100 * r['change']:+.1f}%"
-        lines.append(f"  {r['check']:<24} {r['previous']!s:>12} {r['current']!s:>12} {change:>8}  "
-                     f"{r['limit']!s:<14} {'ok' if r['passed'] else 'REGRESSED'}")
-    if not result["comparable_throughput"]:
+    for r in result.checks:
+        change = "" if r.change is None else f"{100 * r.change:+.1f}%"
+        lines.append(f"  {r.check:<24} {r.previous!s:>12} {r.current!s:>12} {change:>8}  "
+                     f"{r.limit!s:<14} {'ok' if r.passed else 'REGRESSED'}")
+    if not result.comparable_throughput:
         lines.append("  throughput not compared: the builds were measured on different backends or hardware, or on a "
                      "backend outside publish.regression.throughput_backends")
     return "\n".join(lines)
 
 
-def gate(previous: Manifest | None, version: str, fingerprint: str, summary: dict, tolerances,
-         allow: bool) -> dict | None:
+def gate(previous: Manifest | None, version: str, fingerprint: str, summary: ValidationSummary, tolerances,
+         allow: bool) -> RegressionResult | None:
     """The regression record for the manifest, or None when there is nothing to compare with (``previous``: the
     manifest the target's head holds for this variant).
 
-    Raises ``PublishError`` with the table when the rebuild regressed and ``allow`` is off.
+    Raises ``PublishError`` with the table when the rebuild regressed and ``allow`` is off, and when the previous
+    summary cannot be read (another release published it) unless ``allow`` is on.
     """
     if previous is None or previous.validation is None:
         return None
@@ -85,12 +99,18 @@ def gate(previous: Manifest | None, version: str, fingerprint: str, summary: dic
         # An earlier attempt of this very publish landed (its answer was lost): keep the record it made, so the
         # retry sends the same bytes and makes no second commit.
         return previous.regression
-    result = compare(previous.validation, summary, tolerances)
-    record = {"against": previous.version, "against_fingerprint": previous.fingerprint,
-              **result, "allowed": bool(allow and not result["passed"])}
-    if not result["passed"] and not allow:
-        raise PublishError(f"{version} regressed against {record['against']}, the last published version of this "
-                           f"variant:\n{table(result)}\nNothing was published. publish.allow_regression=true "
+    try:
+        before = ValidationSummary.from_json(previous.validation, f"{previous.version}'s manifest (the target's head)")
+    except PublishError:
+        if not allow:
+            raise
+        return None
+    found = compare(before, summary, tolerances)
+    record = RegressionResult(previous.version, previous.fingerprint, found.comparable_throughput, found.checks,
+                              found.passed, allowed=bool(allow and not found.passed))
+    if not found.passed and not allow:
+        raise PublishError(f"{version} regressed against {record.against}, the last published version of this "
+                           f"variant:\n{table(record)}\nNothing was published. publish.allow_regression=true "
                            "publishes it anyway (recorded in its manifest); the tolerances are "
                            "publish.regression.*")
     return record

@@ -30,7 +30,7 @@ from filelock import FileLock
 
 from pipeline.artifact import signing
 from pipeline.artifact.archive import verify_file
-from pipeline.artifact.manifest import Manifest
+from pipeline.artifact.manifest import Manifest, RegressionResult
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import PublishReceipt
@@ -46,15 +46,7 @@ from pipeline.publishing.localrepo import LocalRepo
 from pipeline.stages import StageResult, StageStatus
 from pipeline.stages import package as package_stage
 from pipeline.stages import validate as validate_stage
-from pipeline.validation.records import Metrics, ValidationRecord
-
-
-def validation_summary(report: ValidationRecord) -> dict:
-    """The published manifest's ``validation``, from validation.json: what the regression gate compares with the
-    next version (pipeline/publishing/regression.py) and the model card shows."""
-    return {"parity": encode(report.parity), "throughput": encode(report.throughput),
-            "contexts": encode(report.contexts), "gates": encode(report.gates), "backend": report.backend,
-            "hardware": report.hardware, "throughput_floor": report.throughput_gate.floor}
+from pipeline.validation.records import Metrics, ValidationRecord, ValidationSummary
 
 
 def demo_reasons(manifest: Manifest) -> list[str]:
@@ -129,10 +121,11 @@ def require_validated(manifest: Manifest, report: ValidationRecord, variant: str
                            f"({', '.join(failed)} gate failed); see validation.json")
 
 
-def published_manifest(manifest: Manifest, summary: dict, regression: dict | None, signed: bool) -> Manifest:
+def published_manifest(manifest: Manifest, summary: ValidationSummary, regression: RegressionResult | None,
+                       signed: bool) -> Manifest:
     """The manifest as published: with its validation summary, its regression comparison, and whether a signature
     (``manifest.sig``, over these very bytes) goes beside it."""
-    final = replace(manifest, validation=summary, regression=regression or None,
+    final = replace(manifest, validation=encode(summary), regression=regression,
                     signature={"file": signing.SIGNATURE} if signed else None)
     return Manifest.from_json(final.to_json(), f"the published manifest of {manifest.version}")
 
@@ -353,7 +346,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     sig = cfg.package.signing
     signing.check(paths.dist, archive.name, sig.verifying_key(), sig.allow_unsigned, f"the artifact in {paths.dist}")
     verify_file(archive, manifest.archive.size, manifest.archive.sha256, "archive")
-    summary = validation_summary(report)
+    summary = ValidationSummary.of(report)
     version = manifest.version
     require_valid_tag(version)
     pub = cfg.publish
@@ -362,8 +355,8 @@ def run(cfg: PipelineConfig) -> StageResult:
         found = regression.gate(previous, version, manifest.fingerprint, summary, pub.regression,
                                 pub.allow_regression)
         if found:
-            log.log(logging.WARNING if found["allowed"] else logging.INFO, "publish: %s against %s: %s\n%s",
-                    version, found["against"], "REGRESSED, allowed by publish.allow_regression" if found["allowed"]
+            log.log(logging.WARNING if found.allowed else logging.INFO, "publish: %s against %s: %s\n%s",
+                    version, found.against, "REGRESSED, allowed by publish.allow_regression" if found.allowed
                     else "no regression", regression.table(found))
         final = published_manifest(manifest, summary, found, bool(sig.private_key))
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final

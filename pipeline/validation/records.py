@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.errors import InputError, PipelineError, PublishError
 from pipeline.core.records import Record
 
 
@@ -194,3 +194,28 @@ class Metrics(Record):
         return cls(ParityVerdict(measured.parity.passed, measured.parity.mode),
                    {name: c.tokens_per_s for name, c in contexts.items()},
                    {name: c.ttft_ms for name, c in contexts.items()}, measured.peak_rss_mb)
+
+
+@dataclass(frozen=True)
+class ValidationSummary(Record):
+    """A published manifest's ``validation``, from validation.json: what the regression gate compares with the next
+    version of the variant (pipeline/publishing/regression.py) and the model card shows."""
+
+    KIND = "validation summary"
+    MAKE = "the manifest has none"
+    FIX = ("It was published by another release of the pipeline, whose figures this one cannot compare: "
+           "publish.allow_regression=true publishes without the comparison")
+    ERROR = PublishError
+
+    parity: ParitySummary
+    throughput: ThroughputSummary
+    contexts: dict[str, ContextFigures]
+    gates: Gates
+    backend: str
+    hardware: str
+    throughput_floor: str | None
+
+    @classmethod
+    def of(cls, report: ValidationRecord) -> ValidationSummary:
+        return cls(report.parity, report.throughput, report.contexts, report.gates, report.backend, report.hardware,
+                   report.throughput_gate.floor)
