@@ -142,7 +142,8 @@ class BackendEntry:
     backend's, when it has their torch minor version."""
     timings_compare: bool = False
     """Its timings are steady enough to compare across builds: the regression gate compares them (unless
-    ``publish.regression.throughput_backends`` names others), and ``schedule`` validates its builds one at a time."""
+    ``publish.regression.throughput_backends`` names others), and ``schedule`` validates its builds with nothing else
+    running."""
 
     def package_problem(self) -> str | None:
         """Why it cannot run in this environment for want of its packages (None when it can), told from the import
