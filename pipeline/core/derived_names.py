@@ -20,7 +20,6 @@ from pipeline.core.shape import BuildShape
 SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}"}
 
 
-
 def spelled_fields(shape: type) -> tuple[str, ...]:
     """The fields of ``shape`` in their declared order, each of which ``SPELLING`` must spell."""
     names = tuple(f.name for f in fields(shape))
@@ -39,28 +38,27 @@ def spell(key: str, value) -> str:
     return SPELLING[key].format(value)
 
 
+def choices(key: str) -> list[str] | None:
+    """The values a choice field (``Dtype``, ``Prefill``) takes; None for a count."""
+    kind = _TYPES[key]
+    return values(kind) if isinstance(kind, type) and issubclass(kind, Enum) else None
+
+
 def read_part(part: str) -> tuple[str, str] | None:
     """``kv1024`` -> (``kv_max``, ``1024``); None when no field is spelled that way."""
     for key in FIELDS:
         prefix = SPELLING[key].removesuffix("{}")
         if not part.startswith(prefix):
             continue
-        value = part[len(prefix):]
-        kind = _TYPES[key]
-        if (kind is int and value.isdigit()) or (isinstance(kind, type) and issubclass(kind, Enum)
-                                                   and value in values(kind)):
+        value, allowed = part[len(prefix):], choices(key)
+        if (value in allowed) if allowed else (value.isascii() and value.isdigit()):
             return key, value
     return None
 
 
 def spellings_help() -> str:
-    """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, host or device, tp<N>``."""
-    def one(key: str) -> str:
-        kind = _TYPES[key]
-        if isinstance(kind, type) and issubclass(kind, Enum):
-            return " or ".join(values(kind))
-        return spell(key, "<N>")
-    return ", ".join(one(key) for key in FIELDS)
+    """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, device or host, tp<N>``."""
+    return ", ".join(" or ".join(choices(key)) if choices(key) else spell(key, "<N>") for key in FIELDS)
 
 
 def derived_name(name: str, shape: BuildShape, given: dict) -> str:
