@@ -53,7 +53,9 @@ def pulled_version(root: Path, size_mib: int):
         "variant": {"name": "512_bf16", "kv_max": 512, "bucket": 128, "dtype": "bf16", "prefill": "device",
                     "tp_degree": 2},
         "backend": "cpu", "compiler": {"id": "cpu-torch2.13.0", "args": [], "versions": {"torch": "2.13.0"}},
-        "toolchain": {"backend": "cpu"}, "layout": "per_rank", "members": members,
+        "toolchain": {"schema_version": 2, "backend": "cpu", "packages": {"torch": {"version": "2.13.0"}},
+                      "neuronx_cc": {"version": None, "source": None}, "system_packages": {}},
+        "layout": "per_rank", "members": members,
         "archive": {"name": "a.tar.zst", "format": "tar.zst", "size": 1, "sha256": "e" * 64, "root": rank_dir.name},
     }, "the bench's manifest")
     manifest.write(manifest_beside(rank_dir))

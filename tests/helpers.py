@@ -29,6 +29,10 @@ CPU_COMPILER = _cpu_compiler()
 """The compiler part of a cpu-backend version here, e.g. ``cpu-torch2.13.0`` (``cpu-torch2.8.0`` at the production
 versions)."""
 
+CPU_TOOLCHAIN = {"schema_version": 2, "backend": "cpu", "packages": {"torch": {"version": "2.13.0"}},
+                 "neuronx_cc": {"version": None, "source": None}, "system_packages": {}}
+"""A toolchain record (toolchain.json) of a host with torch and no Neuron packages, as a manifest repeats it."""
+
 # Validation settings that keep a test run to a few seconds: two prompts (one spans several 128-token buckets), and
 # one short throughput context.
 FAST_VALIDATE = [
@@ -83,7 +87,7 @@ def a_manifest(**changes) -> Manifest:
         "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
                     "tp_degree": 2},
         "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {"torch": "2.13.0"}},
-        "toolchain": {"backend": "cpu"}, "layout": "per_rank", "members": members,
+        "toolchain": CPU_TOOLCHAIN, "layout": "per_rank", "members": members,
         "archive": {"name": "a.tar.zst", "format": "tar.zst", "size": 2000, "sha256": "e" * 64, "root": "a"},
         "created_by": "gemma4-neuron-pipeline test",
     }, "a_manifest")

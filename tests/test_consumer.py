@@ -26,7 +26,7 @@ from pipeline.artifact.pulled import Pulled, pulled_beside
 from pipeline.backends import compatibility, neuron_sdk
 from pipeline.backends.compatibility import Fit
 from pipeline.cli.pull import LocalSource, pull
-from pipeline.core.build_records import Compiler
+from pipeline.core.build_records import Compiler, NeuronxCcBuild, PackageVersion, ToolchainRecord
 from pipeline.core.errors import IntegrityError
 from pipeline.core.fsutil import sha256_bytes
 from pipeline.publishing import index, layout
@@ -47,19 +47,21 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def toolchain_of(release: str, torch: str = "2.8.0", runtime: str | None = None) -> dict:
-    """The toolchain record an inf2 host with ``release`` installed writes (the toolchain stage's format)."""
+def toolchain_of(release: str | None, torch: str | None = "2.8.0", runtime: str | None = None,
+                 backend: str = "neuron") -> ToolchainRecord:
+    """The toolchain record a host with Neuron SDK ``release`` (None: no Neuron packages) and ``torch`` installed
+    writes (the toolchain stage's format)."""
     versions = {"torch": torch, "transformers": "5.13.0", "safetensors": "0.8.0",
-                **neuron_sdk.release(release).exact_versions(torch)}
-    return {"schema_version": 2, "backend": "neuron", "packages": {n: {"version": versions.get(n)} for n in PACKAGES},
-            "neuronx_cc": {"version": versions["neuronx-cc"], "source": "test"},
-            "system_packages": {compatibility.RUNTIME_PACKAGE: runtime} if runtime else {}}
+                **(neuron_sdk.release(release).exact_versions(torch) if release else {})}
+    return ToolchainRecord(2, backend, {name: PackageVersion(versions.get(name)) for name in PACKAGES},
+                           NeuronxCcBuild(versions.get("neuronx-cc"), "test" if release else None),
+                           {compatibility.RUNTIME_PACKAGE: runtime} if runtime else {})
 
 
 def neuron_manifest(base: Manifest, release: str, inputs: str) -> Manifest:
     toolchain = toolchain_of(release)
     compiler = f"ncc{neuron_sdk.release(release).neuronx_cc}"
-    versions = {name: entry["version"] for name, entry in toolchain["packages"].items()}
+    versions = {name: entry.version for name, entry in toolchain.packages.items()}
     return replace(base, version=f"{VARIANT}-{compiler}-{inputs}", backend="neuron",
                    compiler=Compiler(compiler, (), versions), toolchain=toolchain)
 
@@ -118,7 +120,7 @@ def on_host(tmp_path, monkeypatch):
     (toolchain_of(NEWER), toolchain_of(NEWER), Fit.compatible, f"Neuron SDK {NEWER}"),
     (toolchain_of(OLDER), toolchain_of(NEWER), Fit.warning, "a newer runtime loads the NEFFs of older compilers"),
     (toolchain_of(NEWER), toolchain_of(OLDER), Fit.refused, "can need a newer runtime"),
-    (toolchain_of(NEWER), {"packages": {}}, Fit.refused, "no Neuron packages"),
+    (toolchain_of(NEWER), toolchain_of(None), Fit.refused, "no Neuron packages"),
     (toolchain_of(NEWER), toolchain_of(NEWER, torch="2.9.0"), Fit.refused, "TorchScript of torch 2.8.0"),
     (toolchain_of(NEWER, runtime="2.25.1.0-abc"), toolchain_of(NEWER, runtime="2.24.0.0-def"), Fit.refused,
      "aws-neuronx-runtime-lib 2.24.0.0 is older than the 2.25.1.0"),
@@ -136,11 +138,9 @@ def test_the_neuron_rule(built, installed, fit, said):
     ("2.8.0", "2.8.0+cpu", Fit.compatible), ("2.8.0", "2.8.1", Fit.warning), ("2.8.0", "2.13.0", Fit.warning),
     ("2.13.0+cpu", "2.8.0", Fit.refused), ("2.8.0", None, Fit.refused)])
 def test_every_other_backend_takes_torchs_rule(built, installed, fit):
-    def record(torch):
-        return {"packages": {"torch": {"version": torch}}}
-
     for backend in ("cpu", "xla"):
-        assert compatibility.judge(backend, record(built), record(installed)).fit == fit
+        assert compatibility.judge(backend, toolchain_of(None, built, backend=backend),
+                                   toolchain_of(None, installed, backend=backend)).fit == fit
 
 
 # -- the index --------------------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_each_publish_commits_the_index_of_every_tagged_version(repo):
     assert head_index(folder).index_version == 3 and not head_index(folder).expired()
     published = {version: row.published for version, row in rows.items()}
     assert sorted(published, key=published.get)[1:] == [built[OLDER], built[NEWER]]  # each kept from the head's index
-    assert rows[built[NEWER]].toolchain["packages"]["neuronx-cc"]["version"] == neuron_sdk.release(NEWER).neuronx_cc
+    assert rows[built[NEWER]].toolchain.version("neuronx-cc") == neuron_sdk.release(NEWER).neuronx_cc
 
 
 def test_versions_lists_every_version_and_which_fit_this_host(repo, on_host):

@@ -23,7 +23,7 @@ from pipeline.core.errors import ConfigError, IntegrityError, PipelineError
 from pipeline.core.fsutil import sha256_bytes, sha256_file
 from pipeline.paths import Paths
 
-from .helpers import CPU_COMPILER, FAST_VALIDATE, config, run
+from .helpers import CPU_COMPILER, CPU_TOOLCHAIN, FAST_VALIDATE, config, run
 
 ROOT = f"gemma4_tiny-512_fp32-{CPU_COMPILER}"
 
@@ -43,7 +43,7 @@ def manifest_for(packed: dict, tp_degree: int = 2) -> Manifest:
         "model": {"name": "gemma4_tiny", "hub_id": None, "revision": None, "config_digest": "c", "weights_digest": "w"},
         "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
                     "tp_degree": tp_degree},
-        "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {}}, "toolchain": {},
+        "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {}}, "toolchain": CPU_TOOLCHAIN,
         "layout": "per_rank", "members": packed["members"], "archive": packed["archive"],
     }, "the test's manifest")
 

@@ -91,12 +91,16 @@ def test_compiler_arguments_per_variant(tmp_path, variant):
 
 
 def test_compiler_id_names_the_neuronx_cc_release():
+    from pipeline.core.build_records import NeuronxCcBuild, PackageVersion, ToolchainRecord
+
+    def toolchain(full: str | None, wheel: str | None) -> ToolchainRecord:
+        return ToolchainRecord(2, "neuron", {"neuronx-cc": PackageVersion(wheel)}, NeuronxCcBuild(full, None), {})
+
     backend = NeuronBackend()
-    assert backend.compiler_id({"neuronx_cc": {"version": "2.23.6484.0+f702b353"}}) == "ncc2.23.6484.0"
-    only_metadata = {"neuronx_cc": {"version": None}, "packages": {"neuronx-cc": {"version": "2.23.6484.0"}}}
-    assert backend.compiler_id(only_metadata) == "ncc2.23.6484.0"
+    assert backend.compiler_id(toolchain("2.23.6484.0+f702b353", "2.23.6484.0")) == "ncc2.23.6484.0"
+    assert backend.compiler_id(toolchain(None, "2.23.6484.0")) == "ncc2.23.6484.0"  # from the wheel's metadata only
     with pytest.raises(BuildError, match="records no neuronx-cc"):
-        backend.compiler_id({"neuronx_cc": {"version": None}, "packages": {"neuronx-cc": {"version": None}}})
+        backend.compiler_id(toolchain(None, None))
 
 
 # -- the ModelBuilder plan -----------------------------------------------------------------------------------------

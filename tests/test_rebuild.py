@@ -166,7 +166,7 @@ def test_a_version_names_the_packages_that_make_its_backends_files_and_no_others
     """An upgrade renames the builds whose files it changes and no others: a Neuron compiler upgrade on an inf2 host
     that also builds backend=cpu (for a comparison) leaves the cpu versions as they were; torch renames every
     backend's (pipeline/backends/registry.py, build_packages)."""
-    from pipeline.core.build_records import ModelRecord
+    from pipeline.core.build_records import ModelRecord, NeuronxCcBuild, PackageVersion, ToolchainRecord
     from pipeline.stages import trace
 
     cfg = config(tmp_path, f"backend={backend}")
@@ -175,11 +175,12 @@ def test_a_version_names_the_packages_that_make_its_backends_files_and_no_others
                          weights_digest="w" * 64, files={}, spec={})
     installed = ("torch", "transformers", "neuronx-cc", "torch-neuronx", "neuronx-distributed", "libneuronxla",
                  "torch-xla", "aws-neuronx-runtime-lib")
-    toolchain = {"backend": backend, "packages": {name: {"version": "1.0.0"} for name in installed}}
+    toolchain = ToolchainRecord(2, backend, {name: PackageVersion("1.0.0") for name in installed},
+                                NeuronxCcBuild(None, None), {})
     first = trace.inputs_digest(cfg, record, toolchain, backend)
     renamed = set()
     for name in installed:
-        upgraded = {**toolchain, "packages": {**toolchain["packages"], name: {"version": "1.0.1"}}}
+        upgraded = replace(toolchain, packages={**toolchain.packages, name: PackageVersion("1.0.1")})
         if trace.inputs_digest(cfg, record, upgraded, backend) != first:
             renamed.add(name)
     assert renamed == renamed_by

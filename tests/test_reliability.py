@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from pipeline.artifact.manifest import Manifest
-from pipeline.core.build_records import ModelRecord
+from pipeline.core.build_records import ModelRecord, NeuronxCcBuild, PackageVersion, ToolchainRecord
 from pipeline.core.errors import ConfigError
 from pipeline.core.fsutil import sha256_file
 from pipeline.host.preflight import resolve_hardware
@@ -360,7 +360,7 @@ def test_invalid_overrides_never_start_work_and_name_each_key(bad, order, tmp_pa
 MODEL_RECORD = ModelRecord(fingerprint="m" * 64, source_fingerprint="s" * 64, name="gemma4_tiny", source="tiny",
                            hub_id=None, revision=None, text_prefix="model.", head_key="lm_head.weight",
                            config_digest="c" * 64, weights_digest="w" * 64, files={}, spec={})
-TOOLCHAIN = {"backend": "cpu", "packages": {"torch": {"version": "2.13.0"}}}
+TOOLCHAIN = ToolchainRecord(2, "cpu", {"torch": PackageVersion("2.13.0")}, NeuronxCcBuild(None, None), {})
 MANIFEST = a_manifest()
 REFERENCE = {"fingerprint": "r" * 64}
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.backends.neuron_sdk import release_part
+from pipeline.core.errors import PipelineError
 from pipeline.stages import toolchain
 from pipeline.stages.toolchain import (
     neuronx_cc_full_version,
@@ -98,6 +101,30 @@ def test_the_record_is_rewritten_only_when_it_changes(tmp_path, monkeypatch):
     assert run(cfg, "toolchain")[0].details["changed"]
     assert json.loads(path.read_text())["system_packages"] == {"aws-neuronx-runtime-lib": "2.28.0.0"}
 
+
+
+def test_the_record_is_read_strictly_and_written_back_byte_for_byte(tmp_path):
+    """toolchain.json is a ToolchainRecord: read back it writes the same bytes, and a record with a key the release
+    does not know (or without one it needs) stops the trace before any work, naming the file, the key and the fix."""
+    from pipeline.core.build_records import ToolchainRecord
+
+    cfg = config(tmp_path)
+    run(cfg, "toolchain")
+    path = tmp_path / "toolchain.json"
+    written = path.read_bytes()
+    ToolchainRecord.read(path).write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == written
+    for key, broken in [("packages.torch.revision", lambda r: r["packages"]["torch"].update(revision="x")),
+                        ("neuronx_cc.source", lambda r: r["neuronx_cc"].pop("source")),
+                        ("system_packages.aws-neuronx-dkms", lambda r: r["system_packages"].update(
+                            {"aws-neuronx-dkms": 2}))]:
+        record = json.loads(written)
+        broken(record)
+        path.write_text(json.dumps(record))
+        with pytest.raises(PipelineError) as refused:
+            run(cfg, "trace")
+        said = str(refused.value)
+        assert str(path) in said and key in said and "run stage=toolchain" in said, said
 
 # What the toolchain command has no use for: it reads versions from package metadata and detects the backend from
 # /dev/neuron* and importlib.util.find_spec. Each of these costs a no-op `dvc repro` its import time (torch alone

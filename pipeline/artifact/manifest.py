@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifact.formats import FORMATS, SUFFIX
-from pipeline.core.build_records import Compiler, Member, ModelIdentity, Variant
+from pipeline.core.build_records import Compiler, Member, ModelIdentity, ToolchainRecord, Variant
 from pipeline.core.errors import InputError, IntegrityError
 from pipeline.core.names import component_problem
 from pipeline.core.records import Record
@@ -83,7 +83,7 @@ class Manifest(Record):
     variant: Variant
     backend: str
     compiler: Compiler
-    toolchain: dict[str, Any]
+    toolchain: ToolchainRecord
     layout: str
     members: tuple[Member, ...]
     archive: ArchiveFile

@@ -17,7 +17,7 @@ import torch
 from pipeline.core.shape import BuildShape
 
 if TYPE_CHECKING:
-    from pipeline.core.build_records import TraceResult
+    from pipeline.core.build_records import ToolchainRecord, TraceResult
     from pipeline.host.preflight import Need, Resources
 
 
@@ -73,7 +73,7 @@ class Backend(Protocol):
     def members(self, shape: BuildShape) -> list[str]:
         """The exact file names a build directory holds."""
 
-    def compiler_id(self, toolchain: dict) -> str:
+    def compiler_id(self, toolchain: ToolchainRecord) -> str:
         """The compiler part of a version name, e.g. ``ncc2.23.6484.0`` or ``cpu-torch2.13.0``."""
 
     def check(self, request: TraceRequest) -> None:

@@ -28,6 +28,7 @@ from packaging.version import InvalidVersion, Version
 
 from pipeline.backends import neuron_sdk
 from pipeline.backends.registry import backend_entry
+from pipeline.core.build_records import ToolchainRecord
 from pipeline.core.choices import StrEnum
 
 RUNTIME_PACKAGE = "aws-neuronx-runtime-lib"
@@ -51,10 +52,6 @@ class Verdict:
         return self.reason + (f"; to fix: {self.fix}" if self.fix else "")
 
 
-def packages(toolchain: dict) -> dict[str, str | None]:
-    return {name: (entry or {}).get("version") for name, entry in (toolchain.get("packages") or {}).items()}
-
-
 def _version(text: str | None) -> Version | None:
     """A package's version; a Debian or RPM one (``2.22.19.0-5856c2f36``) by its upstream part."""
     try:
@@ -63,11 +60,11 @@ def _version(text: str | None) -> Version | None:
         return None
 
 
-def judge(backend: str, built: dict, host: dict) -> Verdict:
+def judge(backend: str, built: ToolchainRecord, host: ToolchainRecord) -> Verdict:
     """The rule (this module's docstring) for a version of ``backend`` built with toolchain ``built``, on ``host``."""
     if backend_entry(backend).fits_by_neuron_release:
         return _judge_neuron(built, host)
-    return _judge_torch(packages(built).get("torch"), packages(host).get("torch"))
+    return _judge_torch(built.version("torch"), host.version("torch"))
 
 
 def _judge_torch(built: str | None, host: str | None) -> Verdict:
@@ -85,8 +82,8 @@ def _judge_torch(built: str | None, host: str | None) -> Verdict:
     return Verdict(Fit.compatible, f"torch {host}")
 
 
-def _judge_neuron(built: dict, host: dict) -> Verdict:
-    want, have = packages(built), packages(host)
+def _judge_neuron(built: ToolchainRecord, host: ToolchainRecord) -> Verdict:
+    want, have = _package_versions(built), _package_versions(host)
     want_release, have_release = neuron_sdk.identify(want), neuron_sdk.identify(have)
     install = neuron_sdk.INSTALL.format(release=want_release.release if want_release else neuron_sdk.PINNED)
     if not have.get("torch-neuronx"):
@@ -99,7 +96,7 @@ def _judge_neuron(built: dict, host: dict) -> Verdict:
     runtime = _runtime_problem(built, host)
     if runtime:
         return Verdict(Fit.refused, runtime, f"apt-get install {RUNTIME_PACKAGE}="
-                       f"{(built.get('system_packages') or {}).get(RUNTIME_PACKAGE)} (or the release's: {install})")
+                       f"{built.system_packages.get(RUNTIME_PACKAGE)} (or the release's: {install})")
     if want_release is None:
         return Verdict(Fit.warning, f"built with Neuron packages that are no release this pipeline knows "
                        f"({_listed(want)})")
@@ -116,14 +113,19 @@ def _judge_neuron(built: dict, host: dict) -> Verdict:
     return Verdict(Fit.compatible, f"Neuron SDK {have_release.release}")
 
 
-def _runtime_problem(built: dict, host: dict) -> str | None:
+def _runtime_problem(built: ToolchainRecord, host: ToolchainRecord) -> str | None:
     """Why this host's runtime library is older than the one the version was validated with (None when it is not,
     or when either is not known: a host without dpkg or rpm records none)."""
-    want = _version((built.get("system_packages") or {}).get(RUNTIME_PACKAGE))
-    have = _version((host.get("system_packages") or {}).get(RUNTIME_PACKAGE))
+    want = _version(built.system_packages.get(RUNTIME_PACKAGE))
+    have = _version(host.system_packages.get(RUNTIME_PACKAGE))
     if want is None or have is None or have >= want:
         return None
     return f"this host's {RUNTIME_PACKAGE} {have} is older than the {want} the version was validated with"
+
+
+def _package_versions(toolchain: ToolchainRecord) -> dict[str, str | None]:
+    # The installed wheels' versions (not neuronx-cc's build hash): what the SDK's release table lists.
+    return {name: entry.version for name, entry in toolchain.packages.items()}
 
 
 def _listed(versions: dict[str, str | None]) -> str:

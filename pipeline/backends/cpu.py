@@ -28,7 +28,7 @@ from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import TraceRequest, check_request, example_inputs
 from pipeline.backends.ranks import ProcessRunner, report_failure, serve_commands, trace_in_processes, trace_result
 from pipeline.backends.torchscript import save as save_torchscript
-from pipeline.core.build_records import TraceResult
+from pipeline.core.build_records import ToolchainRecord, TraceResult
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
 from pipeline.core.log import relay_output
 from pipeline.core.log import setup as setup_logging
@@ -146,8 +146,8 @@ class CpuBackend:
     def members(self, shape: BuildShape) -> list[str]:
         return rank_members(shape.tp_degree)
 
-    def compiler_id(self, toolchain: dict) -> str:
-        version = str(toolchain.get("packages", {}).get("torch", {}).get("version") or torch.__version__)
+    def compiler_id(self, toolchain: ToolchainRecord) -> str:
+        version = str(toolchain.version("torch") or torch.__version__)
         return "cpu-torch" + version.split("+")[0]
 
     def check(self, request: TraceRequest) -> None:

@@ -54,7 +54,7 @@ from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import RankRunner, TraceRequest, check_request
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
 from pipeline.backends.torchscript import strip_debug_records
-from pipeline.core.build_records import Member, TraceResult
+from pipeline.core.build_records import Member, ToolchainRecord, TraceResult
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
 from pipeline.core.fsutil import read_json, sha256_file, staged_dir
 from pipeline.core.log import log
@@ -83,11 +83,10 @@ def build_members(shape: BuildShape) -> list[str]:
     return [NXD_MODEL_FILE] if layout(shape) == NXD_MODEL else rank_members(shape.tp_degree)
 
 
-def neuronx_cc_release(toolchain: dict) -> str | None:
+def neuronx_cc_release(toolchain: ToolchainRecord) -> str | None:
     from pipeline.backends.neuron_sdk import release_part
 
-    full = (toolchain.get("neuronx_cc") or {}).get("version")
-    return release_part(full) or (toolchain.get("packages", {}).get("neuronx-cc") or {}).get("version")
+    return release_part(toolchain.neuronx_cc.version) or toolchain.version("neuronx-cc")
 
 
 def classify_failure(text: str) -> str | None:
@@ -320,7 +319,7 @@ class NeuronBackend:
     def members(self, shape: BuildShape) -> list[str]:
         return build_members(shape)
 
-    def compiler_id(self, toolchain: dict) -> str:
+    def compiler_id(self, toolchain: ToolchainRecord) -> str:
         version = neuronx_cc_release(toolchain)
         if not version:
             raise BuildError(f"backend=neuron but artifacts/toolchain.json records no neuronx-cc: {NEURON_EXTRA_HINT}, "

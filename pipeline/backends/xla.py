@@ -26,7 +26,7 @@ from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import TraceRequest, check_request
 from pipeline.backends.packages import XLA_EXTRA, XLA_MAKE_TARGET, XLA_MISSING
 from pipeline.backends.ranks import ProcessRunner, trace_in_processes, trace_result
-from pipeline.core.build_records import TraceResult
+from pipeline.core.build_records import ToolchainRecord, TraceResult
 from pipeline.core.errors import ConfigError
 from pipeline.core.shape import BuildShape, rank_members
 
@@ -52,8 +52,8 @@ class XlaBackend:
     def members(self, shape: BuildShape) -> list[str]:
         return rank_members(shape.tp_degree)
 
-    def compiler_id(self, toolchain: dict) -> str:
-        version = (toolchain.get("packages", {}).get("torch-xla") or {}).get("version")
+    def compiler_id(self, toolchain: ToolchainRecord) -> str:
+        version = toolchain.version("torch-xla")
         if not version:
             raise ConfigError("artifacts/toolchain.json records no torch-xla: run stage=toolchain with backend=xla "
                               f"in an environment with the [{EXTRA}] extra")

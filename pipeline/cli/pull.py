@@ -44,6 +44,7 @@ from pipeline.artifact.archive import extract_verified, verify_build
 from pipeline.artifact.manifest import Manifest, manifest_beside
 from pipeline.backends import compatibility
 from pipeline.cli import plain
+from pipeline.core.build_records import ToolchainRecord
 from pipeline.core.cache import CACHE_ENV, versions_dir
 from pipeline.core.errors import InputError, IntegrityError, PipelineError
 from pipeline.core.fsutil import TMP_MARK, atomic_write_bytes, reporting_full_disk, sha256_bytes, sha256_file
@@ -140,7 +141,7 @@ class HubSource:
                                  f"{max_bytes} a file of its kind may have: refusing to download it")
 
 
-def host_toolchain() -> dict:
+def host_toolchain() -> ToolchainRecord:
     """This host's toolchain record (the toolchain stage's reader): what compatibility.judge compares a version with."""
     from pipeline.stages.toolchain import collect
 

@@ -1,6 +1,7 @@
-"""The records the build stages hand on, typed: ``model.json`` (written by the model stage, read by trace and reference)
-and ``build.json`` (written by trace, read by package and ``neuron-check``), and the parts of them the manifest
-(pipeline/artifact/manifest.py) repeats.
+"""The records the build stages hand on, typed: ``toolchain.json`` (written by the toolchain stage, read by trace and,
+through the manifest, by pull's compatibility rule), ``model.json`` (written by the model stage, read by trace and
+reference) and ``build.json`` (written by trace, read by package and ``neuron-check``), and the parts of them the
+manifest (pipeline/artifact/manifest.py) repeats.
 
 Each is read and written through its class only (``Record.read`` / ``write``, pipeline/core/records.py): a record with
 a missing, unknown or wrong-typed key is refused, naming the file, the key and the stage to run again. On disk a record
@@ -19,6 +20,52 @@ from typing import Any
 
 from pipeline.core.records import Record, encode
 from pipeline.core.shape import BuildShape
+
+
+@dataclass(frozen=True)
+class PackageVersion:
+    version: str | None
+    """Null: the package is not installed."""
+
+
+@dataclass(frozen=True)
+class NeuronxCcBuild:
+    """neuronx-cc's full version, with the build hash the Neuron compile cache keys on (null: not installed)."""
+
+    version: str | None
+    source: str | None
+    """Where it was read: ``neuronxcc.__version__`` or ``neuronx-cc --version``."""
+
+
+@dataclass(frozen=True)
+class ToolchainRecord(Record):
+    """``toolchain.json``: the installed versions that shape a build (pipeline/stages/toolchain.py collects them). A
+    build records the one it was made with, and a manifest repeats it: what pull judges a host against."""
+
+    KIND = "toolchain record"
+    MAKE = "run stage=toolchain first"
+    FIX = "It was written by another release of the pipeline: run stage=toolchain"
+    SCHEMA_VERSION = 2
+
+    schema_version: int
+    backend: str
+    packages: dict[str, PackageVersion]
+    """Every Python package the toolchain stage looks for, by name."""
+    neuronx_cc: NeuronxCcBuild
+    system_packages: dict[str, str]
+    """The host's ``aws-neuronx-*`` packages (driver, runtime), by name."""
+
+    def version(self, package: str) -> str | None:
+        """A Python package's version; None when it is not installed or not one the record looks for."""
+        found = self.packages.get(package)
+        return found.version if found else None
+
+    def versions(self) -> dict[str, str | None]:
+        """Every package's version, neuronx-cc's with its build hash where the record knows it."""
+        found = {name: entry.version for name, entry in self.packages.items()}
+        if self.neuronx_cc.version:
+            found["neuronx-cc"] = self.neuronx_cc.version
+        return found
 
 
 @dataclass(frozen=True)
@@ -132,7 +179,7 @@ class BuildRecord(Record):
     layout: str
     """``per_rank`` (one ``tp_N.pt`` per rank) or ``nxd_model`` (one ``model.pt``)."""
     compiler: Compiler
-    toolchain: dict[str, Any]
+    toolchain: ToolchainRecord
     """The toolchain record the build was made with (artifacts/toolchain.json)."""
     preflight: dict[str, Any]
     """What the host was checked for and what it offered (host.preflight's records)."""

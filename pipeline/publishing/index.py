@@ -32,7 +32,7 @@ from typing import Any
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
-from pipeline.core.build_records import ModelIdentity, Variant
+from pipeline.core.build_records import ModelIdentity, ToolchainRecord, Variant
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.fsutil import json_text, sha256_bytes
 from pipeline.core.log import log
@@ -53,7 +53,7 @@ class IndexRow:
     """The compiler's id, the version's middle part (``ncc2.23.6484.0``, ``cpu-torch2.13.0``)."""
     inputs: str
     """The inputs digest, the version's last part."""
-    toolchain: dict[str, Any]
+    toolchain: ToolchainRecord
     """The toolchain record the version was built with (the manifest's): what pull's compatibility rule reads."""
     metrics: dict[str, Any]
     """Decode tokens/s, ms per token and time to first token (the first context validated), and parity."""

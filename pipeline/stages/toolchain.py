@@ -24,6 +24,7 @@ import time
 
 from pipeline.backends import package_problem, resolve
 from pipeline.config import PipelineConfig
+from pipeline.core.build_records import NeuronxCcBuild, PackageVersion, ToolchainRecord
 from pipeline.core.errors import BuildError
 from pipeline.core.fsutil import write_json_if_changed
 from pipeline.core.log import log
@@ -31,7 +32,6 @@ from pipeline.core.versions import installed as package_version
 from pipeline.paths import Paths
 from pipeline.stages import StageResult, StageStatus
 
-SCHEMA_VERSION = 2
 PACKAGES = ("torch", "transformers", "safetensors", "neuronx-cc", "torch-neuronx", "neuronx-distributed",
             "libneuronxla", "torch-xla")
 SYSTEM_PACKAGE_PATTERN = "aws-neuronx-*"  # driver (aws-neuronx-dkms), runtime, collectives, tools
@@ -111,16 +111,15 @@ def system_packages() -> dict[str, str]:
     return {}
 
 
-def collect(backend: str) -> dict:
+def collect(backend: str) -> ToolchainRecord:
     """The toolchain record. Deterministic: no times, no paths, no host hardware, only what shapes a build."""
-    ncc_full, ncc_source = neuronx_cc_full_version()
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "backend": backend,
-        "packages": {name: {"version": package_version(name)} for name in PACKAGES},
-        "neuronx_cc": {"version": ncc_full, "source": ncc_source},
-        "system_packages": system_packages(),
-    }
+    return ToolchainRecord(
+        schema_version=ToolchainRecord.SCHEMA_VERSION,
+        backend=backend,
+        packages={name: PackageVersion(package_version(name)) for name in PACKAGES},
+        neuronx_cc=NeuronxCcBuild(*neuronx_cc_full_version()),
+        system_packages=system_packages(),
+    )
 
 
 def run(cfg: PipelineConfig) -> StageResult:
@@ -134,24 +133,14 @@ def run(cfg: PipelineConfig) -> StageResult:
         raise BuildError(problem)
     record = collect(backend)
     path = Paths.of(cfg).toolchain
-    changed = write_json_if_changed(path, record)
-    present = {k: v["version"] for k, v in record["packages"].items() if v["version"]}
-    if record["neuronx_cc"]["version"]:
-        present["neuronx-cc"] = record["neuronx_cc"]["version"]
-    log.info("toolchain: backend %s, %s, %d aws-neuronx packages (%s)", record["backend"], present,
-             len(record["system_packages"]), "changed, rewrote " + str(path) if changed else "unchanged")
+    changed = write_json_if_changed(path, record.to_json())
+    present = {name: version for name, version in record.versions().items() if version}
+    log.info("toolchain: backend %s, %s, %d aws-neuronx packages (%s)", record.backend, present,
+             len(record.system_packages), "changed, rewrote " + str(path) if changed else "unchanged")
     # It always looks; it "ran" only when the record changed (a run that changes nothing says "ran nothing").
     status = StageStatus.ran if changed else StageStatus.skipped
     return StageResult("toolchain", status, time.monotonic() - started, {"changed": changed})
 
 
-def load(cfg: PipelineConfig) -> dict:
-    from pipeline.core.records import require_record
-
-    record = require_record(Paths.of(cfg).toolchain, "toolchain")
-    if record.get("schema_version") != SCHEMA_VERSION:
-        from pipeline.core.errors import PipelineError
-
-        raise PipelineError(f"{Paths.of(cfg).toolchain} was written by another release of the pipeline: run "
-                            "stage=toolchain")
-    return record
+def load(cfg: PipelineConfig) -> ToolchainRecord:
+    return ToolchainRecord.read(Paths.of(cfg).toolchain)

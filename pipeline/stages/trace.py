@@ -22,7 +22,7 @@ from pipeline.backends import resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
-from pipeline.core.build_records import BuildRecord, Compiler, ModelRecord, Variant
+from pipeline.core.build_records import BuildRecord, Compiler, ModelRecord, ToolchainRecord, Variant
 from pipeline.core.errors import PipelineError, StaleInputError
 from pipeline.core.fsutil import clean_stale_temps
 from pipeline.core.log import log
@@ -37,10 +37,10 @@ from pipeline.stages import model as model_stage
 from pipeline.stages import toolchain as toolchain_stage
 
 
-def backend_name(cfg: PipelineConfig, toolchain: dict) -> str:
+def backend_name(cfg: PipelineConfig, toolchain: ToolchainRecord) -> str:
     name = resolve(cfg.backend.name)
-    if toolchain.get("backend") != name:
-        raise StaleInputError(f"artifacts/toolchain.json was recorded for backend {toolchain.get('backend')!r}, this "
+    if toolchain.backend != name:
+        raise StaleInputError(f"artifacts/toolchain.json was recorded for backend {toolchain.backend!r}, this "
                                f"run uses {name!r}: run stage=toolchain first")
     return name
 
@@ -115,12 +115,13 @@ def build_settings(cfg: PipelineConfig, model_record: ModelRecord, backend: str)
     }
 
 
-def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
+def build_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, toolchain: ToolchainRecord, backend: str) -> str:
     """Everything that may change the rank files' bytes: rebuild when it changes."""
-    return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain, "code": code_of("trace")})
+    return fingerprint(build_settings(cfg, model_record, backend) | {"toolchain": toolchain.to_json(),
+                                                                     "code": code_of("trace")})
 
 
-def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dict, backend: str) -> str:
+def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: ToolchainRecord, backend: str) -> str:
     """Digest of exactly what decides the rank files' bytes; the version names its start (package.version_name).
 
     The backend's entry (pipeline/backends/registry.py) names the packages and the code (its ``build_code``) that
@@ -130,7 +131,7 @@ def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: dic
     packages, another backend's code, transformers): such a rebuild gives the same files under the same version, and
     publishing it is a no-op.
     """
-    versions, entry = compiler_versions(toolchain), backend_entry(backend)
+    versions, entry = toolchain.versions(), backend_entry(backend)
     return fingerprint(build_settings(cfg, model_record, backend) | {
         "packages": {name: versions.get(name) for name in entry.build_packages},
         "code": code_digest(*entry.build_code),
@@ -176,7 +177,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         variant=Variant(**asdict(cfg.variant)),
         backend=backend,
         layout=traced.layout,
-        compiler=Compiler(compiler_id, req.compiler_args, compiler_versions(toolchain)),
+        compiler=Compiler(compiler_id, req.compiler_args, toolchain.versions()),
         toolchain=toolchain,
         preflight={**passed.record(),
                    "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
@@ -190,13 +191,6 @@ def run(cfg: PipelineConfig) -> StageResult:
              traced.peak_rss_bytes / 1e9)
     return StageResult("trace", StageStatus.ran, time.monotonic() - started)
 
-
-def compiler_versions(toolchain: dict) -> dict:
-    """Package versions, with neuronx-cc's build hash where the toolchain knows it."""
-    versions = {k: v["version"] for k, v in toolchain["packages"].items()}
-    if (toolchain.get("neuronx_cc") or {}).get("version"):
-        versions["neuronx-cc"] = toolchain["neuronx_cc"]["version"]
-    return versions
 
 
 def load(cfg: PipelineConfig) -> BuildRecord:
