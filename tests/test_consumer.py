@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifact.manifest import Manifest, manifest_beside
+from pipeline.artifact.manifest import Manifest, SignatureFile, manifest_beside
 from pipeline.artifact.pulled import Pulled, pulled_beside
 from pipeline.backends import compatibility, neuron_sdk
 from pipeline.backends.compatibility import Fit
@@ -264,7 +264,7 @@ def test_a_signed_index_that_fails_its_check_is_refused_with_the_key_and_a_hint_
     private, public = keypair(tmp_path / "keys")
     dist = validated_512_fp32 / "gemma4_tiny" / VARIANT / "dist"
     base = Manifest.read(dist / "manifest.json")
-    signed = replace(neuron_manifest(base, NEWER, "44444444"), signature={"file": "manifest.sig"})
+    signed = replace(neuron_manifest(base, NEWER, "44444444"), signature=SignatureFile("manifest.sig"))
     publish_as(folder, dist / base.archive.name, signed, later(4), monkeypatch, private)
     local = LocalRepo(folder)
     assert layout.INDEX_SIGNATURE in local.list_files(local.head())
@@ -481,7 +481,7 @@ def signed_versions(folder: Path, validated: Path, times: list[str], private: st
     versions = []
     for n, when in enumerate(times, start=1):
         manifest = replace(base, version=f"{VARIANT}-{base.compiler.id}-{str(n) * 8}",
-                           signature={"file": "manifest.sig"})
+                           signature=SignatureFile("manifest.sig"))
         publish_as(folder, dist / base.archive.name, manifest, when, monkeypatch, private)
         versions.append(manifest.version)
     return versions

@@ -448,7 +448,7 @@ def test_the_cards_usage_block_applies_to_the_version_it_shows(signed_project):
     shown = subprocess.run(["git", "show", f"{version}:512_fp32/manifest.json"], cwd=signed_project / "published",
                            capture_output=True, text=True, check=True).stdout
     signed = Manifest.from_json(json.loads(shown), "the published manifest")
-    assert signed.signature == {"file": "manifest.sig"}
+    assert signed.signature.file == "manifest.sig"
     real = replace(signed, model=replace(signed.model, hub_id="google/gemma-4-E4B-it"))
     card = render([real], "org/gemma-4-E4B-it-inferentia2", "/srv/published")
     assert f"python -m pipeline pull /srv/published {version} --dest /workspace --public-key" in card

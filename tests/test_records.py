@@ -204,7 +204,10 @@ def _drop(key):
     (ModelRecord, "model_record", lambda d: d["files"]["config.json"].pop("sha256"),
      r"missing field files\.config\.json\.sha256"),
     (Manifest, "manifest", lambda d: d.update(schema_version=2), r"schema_version 2 is not 1"),
-    (Manifest, "manifest", lambda d: d.update(signature="yes"), r"field signature has the wrong type \(str"),
+    (Manifest, "manifest", lambda d: d.update(signature="yes"), r"signature must be an object, not str"),
+    (Manifest, "manifest", lambda d: d["toolchain"]["packages"]["torch"].update(version=2.8),
+     r"field toolchain\.packages\.torch\.version has the wrong type \(float; expected str\)"),
+    (BuildRecord, "build_record", lambda d: d["toolchain"].pop("neuronx_cc"), r"missing field toolchain\.neuronx_cc"),
 ])
 def test_a_reader_refuses_a_broken_record_naming_the_file_the_key_and_the_fix(packaged, tmp_path, cls, where, edit,
                                                                               problem):

@@ -66,6 +66,12 @@ class RegressionResult:
 
 
 @dataclass(frozen=True)
+class SignatureFile:
+    file: str
+    """Its name beside the manifest (``manifest.sig``, pipeline/artifact/signing.py)."""
+
+
+@dataclass(frozen=True)
 class Manifest(Record):
     KIND = "manifest"
     MAKE = "run the package stage first"
@@ -93,8 +99,8 @@ class Manifest(Record):
     compared: this layer sits below the validation records)."""
     regression: RegressionResult | None = None
     """Set by publish: the comparison with the previous version of the variant (publishing/regression.py)."""
-    signature: dict[str, Any] | None = None
-    """Set by publish when a signature (``manifest.sig``, over the published bytes) goes beside it."""
+    signature: SignatureFile | None = None
+    """Set by publish when a signature (over the published bytes) goes beside it."""
 
     @property
     def shape(self) -> BuildShape:

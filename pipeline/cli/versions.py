@@ -33,8 +33,8 @@ COLUMNS = ("version", "variant", "compiler", "tok/s", "first token ms", "signed"
 
 
 def table(rows: list[tuple[index.Published, compatibility.Verdict]]) -> str:
-    lines = [[p.row.version, p.row.variant.name, p.row.compiler, cell(p.row.metrics.get("tokens_per_s"), "{:.1f}"),
-              cell(p.row.metrics.get("ttft_ms"), "{:.0f}"), "yes" if p.row.signed else "no",
+    lines = [[p.row.version, p.row.variant.name, p.row.compiler, cell(p.row.metrics.tokens_per_s, "{:.1f}"),
+              cell(p.row.metrics.ttft_ms, "{:.0f}"), "yes" if p.row.signed else "no",
               cell(p.row.published), verdict.fit.value] for p, verdict in rows]
     lines = [[escaped(str(x)) for x in line] for line in lines]  # an unsigned index's strings reach the terminal
     widths = [max(len(str(x)) for x in column) for column in zip(COLUMNS, *lines)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.artifact.manifest import Manifest
+from pipeline.publishing.index import Headline
 
 
 def cell(value: Any, fmt: str = "{}") -> str:
@@ -25,12 +26,12 @@ def _files(m: Manifest) -> str:
 
 
 def _row(m: Manifest) -> str:
-    v, val = m.variant, m.validation or {}
-    tput, parity = val.get("throughput", {}), val.get("parity", {})
-    parity_text = "–" if not parity else f"{'pass' if parity.get('passed') else 'FAIL'} ({parity.get('mode')})"
+    v, figures = m.variant, Headline.of(m)
+    parity = figures.parity
+    parity_text = "–" if parity.passed is None else f"{'pass' if parity.passed else 'FAIL'} ({parity.mode})"
     return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} "
-            f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {cell(tput.get('tokens_per_s'), '{:.1f}')} "
-            f"| {cell(tput.get('ttft_ms'), '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
+            f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {cell(figures.tokens_per_s, '{:.1f}')} "
+            f"| {cell(figures.ttft_ms, '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
 
 
 def usage(example: Manifest | None, source: str) -> str:

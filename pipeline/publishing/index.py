@@ -28,7 +28,6 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
@@ -44,6 +43,32 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
 @dataclass(frozen=True)
+class ParityHeadline:
+    passed: bool | None
+    mode: str | None
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A version's headline figures (decode tokens/s, ms per token and time to first token, of the first context
+    validated) and its parity verdict, as its manifest's validation summary gives them: null where it gives none."""
+
+    tokens_per_s: float | None
+    ms_per_token: float | None
+    ttft_ms: float | None
+    parity: ParityHeadline
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Headline:
+        """Read leniently: the summary of a version any release published (the manifest keeps it as published:
+        pipeline/artifact/manifest.py), a figure it lacks left null."""
+        summary = manifest.validation or {}
+        throughput, parity = summary.get("throughput") or {}, summary.get("parity") or {}
+        return cls(throughput.get("tokens_per_s"), throughput.get("ms_per_token"), throughput.get("ttft_ms"),
+                   ParityHeadline(parity.get("passed"), parity.get("mode")))
+
+
+@dataclass(frozen=True)
 class IndexRow:
     version: str
     variant: Variant
@@ -55,8 +80,7 @@ class IndexRow:
     """The inputs digest, the version's last part."""
     toolchain: ToolchainRecord
     """The toolchain record the version was built with (the manifest's): what pull's compatibility rule reads."""
-    metrics: dict[str, Any]
-    """Decode tokens/s, ms per token and time to first token (the first context validated), and parity."""
+    metrics: Headline
     signed: bool
     archive_sha256: str
     manifest_sha256: str
@@ -112,14 +136,11 @@ class Published:
 
 
 def row_of(manifest: Manifest, manifest_sha256: str, published: str | None) -> IndexRow:
-    validation = manifest.validation or {}
-    throughput, parity = validation.get("throughput") or {}, validation.get("parity") or {}
-    metrics = {key: throughput.get(key) for key in ("tokens_per_s", "ms_per_token", "ttft_ms")}
-    metrics["parity"] = {"passed": parity.get("passed"), "mode": parity.get("mode")}
     prefix = f"{manifest.variant.name}-{manifest.compiler.id}-"
     return IndexRow(version=manifest.version, variant=manifest.variant, model=manifest.model,
                     backend=manifest.backend, compiler=manifest.compiler.id,
-                    inputs=manifest.version.removeprefix(prefix), toolchain=manifest.toolchain, metrics=metrics,
+                    inputs=manifest.version.removeprefix(prefix), toolchain=manifest.toolchain,
+                    metrics=Headline.of(manifest),
                     signed=manifest.signature is not None, archive_sha256=manifest.archive.sha256,
                     manifest_sha256=manifest_sha256, published=published)
 

@@ -30,7 +30,7 @@ from filelock import FileLock
 
 from pipeline.artifact import signing
 from pipeline.artifact.archive import verify_file
-from pipeline.artifact.manifest import Manifest, RegressionResult
+from pipeline.artifact.manifest import Manifest, RegressionResult, SignatureFile
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import PublishReceipt
@@ -126,7 +126,7 @@ def published_manifest(manifest: Manifest, summary: ValidationSummary, regressio
     """The manifest as published: with its validation summary, its regression comparison, and whether a signature
     (``manifest.sig``, over these very bytes) goes beside it."""
     final = replace(manifest, validation=encode(summary), regression=regression,
-                    signature={"file": signing.SIGNATURE} if signed else None)
+                    signature=SignatureFile(signing.SIGNATURE) if signed else None)
     return Manifest.from_json(final.to_json(), f"the published manifest of {manifest.version}")
 
 
