@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.artifact.manifest import Manifest
 from pipeline.core import records
-from pipeline.core.build_records import BuildRecord, ModelRecord
+from pipeline.core.build_records import BuildRecord, ModelRecord, ToolchainRecord
 from pipeline.core.errors import IntegrityError, PipelineError
 from pipeline.core.records import code_digest, fingerprint
 from pipeline.paths import Paths
@@ -101,9 +101,11 @@ def test_a_change_to_the_model_stages_code_checks_the_same_checkpoint_again_with
 
 # -- typed records ----------------------------------------------------------------------------------------------------
 
-RECORDS = [(ModelRecord, "model_record"), (BuildRecord, "build_record"), (Manifest, "manifest")]
+RECORDS = [(ToolchainRecord, "toolchain"), (ModelRecord, "model_record"), (BuildRecord, "build_record"),
+           (Manifest, "manifest")]
 # The keys each stage wrote before the records were typed: published manifests and existing builds have exactly these.
 KEYS = {
+    ToolchainRecord: {"schema_version", "backend", "packages", "neuronx_cc", "system_packages"},
     ModelRecord: {"fingerprint", "source_fingerprint", "name", "source", "hub_id", "revision", "text_prefix",
                   "head_key", "config_digest", "weights_digest", "files", "spec"},
     BuildRecord: {"fingerprint", "inputs_digest", "variant", "backend", "layout", "compiler", "toolchain", "preflight",

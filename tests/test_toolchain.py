@@ -103,17 +103,13 @@ def test_the_record_is_rewritten_only_when_it_changes(tmp_path, monkeypatch):
 
 
 
-def test_the_record_is_read_strictly_and_written_back_byte_for_byte(tmp_path):
-    """toolchain.json is a ToolchainRecord: read back it writes the same bytes, and a record with a key the release
-    does not know (or without one it needs) stops the trace before any work, naming the file, the key and the fix."""
-    from pipeline.core.build_records import ToolchainRecord
-
+def test_a_broken_record_stops_the_trace_naming_the_file_the_key_and_the_fix(tmp_path):
+    """toolchain.json is a ToolchainRecord (tests/test_records.py reads it back byte for byte): a record with a key
+    this release does not know, or without one it needs, stops the trace before any work."""
     cfg = config(tmp_path)
     run(cfg, "toolchain")
     path = tmp_path / "toolchain.json"
     written = path.read_bytes()
-    ToolchainRecord.read(path).write(tmp_path / "again.json")
-    assert (tmp_path / "again.json").read_bytes() == written
     for key, broken in [("packages.torch.revision", lambda r: r["packages"]["torch"].update(revision="x")),
                         ("neuronx_cc.source", lambda r: r["neuronx_cc"].pop("source")),
                         ("system_packages.aws-neuronx-dkms", lambda r: r["system_packages"].update(

@@ -133,6 +133,22 @@ class FileDigest:
 
 
 @dataclass(frozen=True)
+class SpecSummary:
+    """The model's shape as model.json records it for a reader (recipe/spec.py ``ModelSpec.summary``)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    sliding_window: int
+    ple_dim: int
+    head_dims: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    kv_producers: tuple[int, ...]
+    final_logit_softcapping: float | None
+
+
+@dataclass(frozen=True)
 class ModelRecord(Record):
     """``model.json``: the checkpoint in ``weights/``, where it came from, and the fingerprint downstream stages build
     on."""
@@ -155,8 +171,7 @@ class ModelRecord(Record):
     weights_digest: str
     files: dict[str, FileDigest]
     """Every file of ``weights/`` by name."""
-    spec: dict[str, Any]
-    """The model's shape as the recipe reads it (recipe.spec.ModelSpec.to_dict)."""
+    spec: SpecSummary
 
     @property
     def identity(self) -> ModelIdentity:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.build_records import SpecSummary
 from pipeline.core.errors import CheckpointError, UnsupportedModelError
 
 SLIDING = "sliding_attention"
@@ -97,20 +98,12 @@ class ModelSpec:
     def ple_embed_scale(self) -> float:
         return self.ple_dim**0.5
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able summary (recorded in build records and manifests)."""
-        return {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "sliding_window": self.sliding_window,
-            "ple_dim": self.ple_dim,
-            "head_dims": sorted({layer.head_dim for layer in self.layers}),
-            "kv_heads": sorted({layer.num_kv_heads for layer in self.layers}),
-            "kv_producers": [layer.index for layer in self.producers],
-            "final_logit_softcapping": self.final_logit_softcapping,
-        }
+    def summary(self) -> SpecSummary:
+        """What model.json records of it."""
+        return SpecSummary(self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.sliding_window,
+                           self.ple_dim, tuple(sorted({layer.head_dim for layer in self.layers})),
+                           tuple(sorted({layer.num_kv_heads for layer in self.layers})),
+                           tuple(layer.index for layer in self.producers), self.final_logit_softcapping)
 
     # -- checkpoint tensor layout (names relative to the text prefix, as in Gemma4TextModel) --------------------
 

@@ -98,7 +98,7 @@ def describe(cfg: PipelineConfig, weights: Path, fp: str, files: dict[str, FileD
         config_digest=files["config.json"].sha256,
         weights_digest=fingerprint({"files": encode(files)}),
         files=files,
-        spec=spec.to_dict(),
+        spec=spec.summary(),
     )
 
 
