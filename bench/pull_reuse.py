@@ -59,7 +59,7 @@ def pulled_version(root: Path, size_mib: int):
         "archive": {"name": "a.tar.zst", "format": "tar.zst", "size": 1, "sha256": "e" * 64, "root": rank_dir.name},
     }, "the bench's manifest")
     manifest.write(manifest_beside(rank_dir))
-    build = verify_build(rank_dir, manifest.member_files())
+    build = verify_build(rank_dir, manifest.members)
     record(build, manifest, "f" * 40, "bench").write(pulled_beside(rank_dir))
     return rank_dir, manifest
 

@@ -39,10 +39,10 @@ def build(tiny_dir: Path, out: Path, shape: BuildShape) -> TraceResult:
 def verified(build_dir: Path):
     """The rank files, hashed as the trace recorded them (what a server gets after verifying an archive)."""
     from pipeline.artifact.archive import verify_build
+    from pipeline.core.build_records import Member
     from pipeline.core.fsutil import sha256_file
 
-    members = [{"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)} for p in build_dir.iterdir()]
-    return verify_build(build_dir, members)
+    return verify_build(build_dir, tuple(Member(p.name, p.stat().st_size, sha256_file(p)) for p in build_dir.iterdir()))
 
 
 def run(weights_dir: Path, build_dir: Path, shape: BuildShape, prompts, forced=None):

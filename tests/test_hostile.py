@@ -324,9 +324,9 @@ def test_an_archive_header_bomb_is_refused_at_its_header(validated_512_fp32, tmp
 
 def test_a_decompressed_stream_past_the_manifests_members_is_refused():
     from pipeline.artifact.archive import _Bounded, tar_bytes_bound
+    from pipeline.core.build_records import Member
 
-    members = [{"size": 1000}, {"size": 1}]
-    bound = tar_bytes_bound(members)
+    bound = tar_bytes_bound([Member("tp_0.pt", 1000, "0" * 64), Member("tp_1.pt", 1, "1" * 64)])
     stream = _Bounded(io.BytesIO(b"\0" * (bound + 1)), bound)
     assert len(stream.read(bound)) == bound
     with pytest.raises(IntegrityError, match=f"decompresses to more than the {bound} bytes"):
@@ -340,7 +340,7 @@ def test_the_tar_bound_holds_every_archive_pack_writes(tmp_path):
         (tmp_path / f"tp_{n}.pt").write_bytes(b"x" * size)
     names = [f"tp_{n}.pt" for n in range(6)]
     out = pack(tmp_path, names, "r" * 200, tmp_path / "a.tar", "tar")  # a long root: PAX headers on every entry
-    assert out["archive"]["size"] <= tar_bytes_bound(out["members"])
+    assert out.archive.size <= tar_bytes_bound(out.members)
 
 
 def test_a_lone_surrogate_or_escape_in_a_name_is_refused_cleanly(validated_512_fp32, tmp_path):

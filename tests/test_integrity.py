@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifact import signing
-from pipeline.artifact.archive import FORMATS, extract_verified, pack, verify_build
-from pipeline.artifact.manifest import SCHEMA_VERSION, Manifest
+from pipeline.artifact.archive import FORMATS, Packed, extract_verified, pack, verify_build
+from pipeline.artifact.manifest import SCHEMA_VERSION, ArchiveFile, Manifest
+from pipeline.core.build_records import Member
 from pipeline.core.errors import ConfigError, IntegrityError, PipelineError
 from pipeline.core.fsutil import sha256_bytes, sha256_file
+from pipeline.core.records import encode
 from pipeline.paths import Paths
 
 from .helpers import CPU_COMPILER, CPU_TOOLCHAIN, FAST_VALIDATE, config, run
@@ -36,7 +38,7 @@ def rank_dir(tmp_path: Path, sizes=(300_000, 300_001)) -> Path:
     return src
 
 
-def manifest_for(packed: dict, tp_degree: int = 2) -> Manifest:
+def manifest_for(packed: Packed, tp_degree: int = 2) -> Manifest:
     """A schema-valid manifest around ``packed`` (what the package stage writes)."""
     return Manifest.from_json({
         "schema_version": SCHEMA_VERSION, "version": f"512_fp32-{CPU_COMPILER}", "fingerprint": "0" * 64,
@@ -44,7 +46,7 @@ def manifest_for(packed: dict, tp_degree: int = 2) -> Manifest:
         "variant": {"name": "512_fp32", "kv_max": 512, "bucket": 128, "dtype": "fp32", "prefill": "device",
                     "tp_degree": tp_degree},
         "backend": "cpu", "compiler": {"id": CPU_COMPILER, "args": [], "versions": {}}, "toolchain": CPU_TOOLCHAIN,
-        "layout": "per_rank", "members": packed["members"], "archive": packed["archive"],
+        "layout": "per_rank", "members": encode(packed.members), "archive": encode(packed.archive),
     }, "the test's manifest")
 
 
@@ -66,9 +68,9 @@ def test_same_inputs_give_the_same_archive_bytes(tmp_path, fmt):
     src = rank_dir(tmp_path)
     a = pack(src, ["tp_0.pt", "tp_1.pt"], ROOT, tmp_path / "a", fmt, threads=1)
     b = pack(src, ["tp_1.pt", "tp_0.pt"], ROOT, tmp_path / "b", fmt, threads=2)  # order and threads do not matter
-    assert a["archive"]["sha256"] == b["archive"]["sha256"] == sha256_file(tmp_path / "a")
-    assert a["members"] == [{"path": f"tp_{r}.pt", "size": (src / f"tp_{r}.pt").stat().st_size,
-                             "sha256": sha256_file(src / f"tp_{r}.pt")} for r in (0, 1)]
+    assert a.archive.sha256 == b.archive.sha256 == sha256_file(tmp_path / "a")
+    assert a.members == tuple(Member(f"tp_{r}.pt", (src / f"tp_{r}.pt").stat().st_size, sha256_file(src / f"tp_{r}.pt"))
+                              for r in (0, 1))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -108,7 +110,7 @@ def test_corrupted_archives_are_refused_before_extraction(tmp_path, damage):
 # -- malicious archives ----------------------------------------------------------------------------------------
 
 def craft(tmp_path: Path, entries: list[tuple[tarfile.TarInfo, bytes | None]],
-          members: list[dict]) -> tuple[Path, Manifest]:
+          members: tuple[Member, ...]) -> tuple[Path, Manifest]:
     """A tar whose archive checksum the manifest does match: only the member allow-list stands in the way."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -116,8 +118,8 @@ def craft(tmp_path: Path, entries: list[tuple[tarfile.TarInfo, bytes | None]],
             tar.addfile(info, io.BytesIO(data) if data is not None else None)
     path = tmp_path / "evil.tar"
     path.write_bytes(buf.getvalue())
-    return path, manifest_for({"members": members, "archive": {
-        "name": path.name, "format": "tar", "size": path.stat().st_size, "sha256": sha256_file(path), "root": ROOT}})
+    return path, manifest_for(Packed(members, ArchiveFile(path.name, "tar", path.stat().st_size, sha256_file(path),
+                                                          ROOT)))
 
 
 def info(name: str, kind=tarfile.REGTYPE, size: int = 0, link: str = "") -> tarfile.TarInfo:
@@ -126,8 +128,8 @@ def info(name: str, kind=tarfile.REGTYPE, size: int = 0, link: str = "") -> tarf
     return i
 
 
-def ok_members(data: bytes = b"x" * 10) -> list[dict]:
-    return [{"path": f"tp_{r}.pt", "size": len(data), "sha256": sha256_bytes(data)} for r in (0, 1)]
+def ok_members(data: bytes = b"x" * 10) -> tuple[Member, ...]:
+    return tuple(Member(f"tp_{r}.pt", len(data), sha256_bytes(data)) for r in (0, 1))
 
 
 GOOD = [(info(f"{ROOT}/tp_0.pt", size=10), b"x" * 10), (info(f"{ROOT}/tp_1.pt", size=10), b"x" * 10)]
@@ -198,8 +200,7 @@ def test_a_member_with_a_wrong_sha256_is_refused_and_removed(tmp_path):
 
 def test_a_file_changed_after_verification_is_not_loaded(tmp_path):
     src = rank_dir(tmp_path)
-    members = [{"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(src.iterdir())]
-    build = verify_build(src, members)
+    build = verify_build(src, tuple(Member(p.name, p.stat().st_size, sha256_file(p)) for p in sorted(src.iterdir())))
     (src / "tp_1.pt").write_bytes(b"swapped in after the check")
     with pytest.raises(IntegrityError, match="changed after it was verified"):
         build.recheck()

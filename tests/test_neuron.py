@@ -221,9 +221,10 @@ def test_kv_state_is_found_in_numeric_order_and_seeded_only_when_shapes_match():
 
 def test_the_runner_loads_only_a_verified_build_of_the_right_layout(tmp_path):
     from pipeline.artifact.archive import verify_build
+    from pipeline.core.build_records import Member
 
     (tmp_path / "tp_0.pt").write_bytes(b"x")
-    build = verify_build(tmp_path, [{"path": "tp_0.pt", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}])
+    build = verify_build(tmp_path, (Member("tp_0.pt", 1, hashlib.sha256(b"x").hexdigest()),))
     with pytest.raises(TypeError, match="VerifiedBuild"):
         NeuronBackend().load(tmp_path, BuildShape(64, 16, "bf16", "host", 1))
     with pytest.raises(IntegrityError, match=r"needs \['model.pt'\]"):

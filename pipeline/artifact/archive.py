@@ -27,14 +27,13 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from pipeline.artifact.formats import FORMATS
+from pipeline.artifact.manifest import ArchiveFile, Manifest
+from pipeline.core.build_records import Member
 from pipeline.core.errors import IntegrityError
 from pipeline.core.fsutil import is_out_of_space, sha256_file, temp_dir_beside
-
-if TYPE_CHECKING:
-    from pipeline.artifact.manifest import Manifest
 
 READ_CHUNK = 8 << 20
 BLOCK = tarfile.BLOCKSIZE  # 512
@@ -88,7 +87,7 @@ class _TarStream:
     def add_dir(self, name: str) -> None:
         self._write(_header(name + "/", 0, is_dir=True))
 
-    def add_file(self, name: str, path: Path) -> dict:
+    def add_file(self, name: str, path: Path) -> tuple[int, str]:
         size = path.stat().st_size
         self._write(_header(name, size, is_dir=False))
         digest, seen = hashlib.sha256(), 0
@@ -101,7 +100,7 @@ class _TarStream:
             raise IntegrityError(f"{path} changed size while it was being packed ({size} -> {seen} bytes)")
         if size % BLOCK:
             self._write(b"\0" * (BLOCK - size % BLOCK))
-        return {"size": size, "sha256": digest.hexdigest()}
+        return size, digest.hexdigest()  # as read: what the manifest records
 
     def close(self) -> None:
         self._write(b"\0" * (2 * BLOCK))
@@ -126,11 +125,16 @@ def _compressor(fmt: str, sink, threads: int):
     raise ValueError(f"unknown archive format {fmt!r}: choose one of {list(FORMATS)}")
 
 
-def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str, threads: int = 0) -> dict:
-    """Write ``out_path`` holding ``root/`` and ``root/<member>`` for each member, in one pass over the inputs.
+@dataclass(frozen=True)
+class Packed:
+    """What ``pack`` wrote: each member's size and sha256 as it was read, and the archive file."""
 
-    Returns ``{"members": [{path, size, sha256}], "archive": {name, format, size, sha256, root}}``.
-    """
+    members: tuple[Member, ...]
+    archive: ArchiveFile
+
+
+def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str, threads: int = 0) -> Packed:
+    """Write ``out_path`` holding ``root/`` and ``root/<member>`` for each member, in one pass over the inputs."""
     threads = threads or os.cpu_count() or 1
     entries = []
     with open(out_path, "wb") as raw:
@@ -139,16 +143,12 @@ def pack(src_dir: Path, members: list[str], root: str, out_path: Path, fmt: str,
         tar = _TarStream(writer)
         tar.add_dir(root)
         for name in sorted(members):
-            entries.append({"path": name, **tar.add_file(f"{root}/{name}", src_dir / name)})
+            entries.append(Member(name, *tar.add_file(f"{root}/{name}", src_dir / name)))
         tar.close()
         finish()
         raw.flush()
         os.fsync(raw.fileno())
-    return {
-        "members": entries,
-        "archive": {"name": out_path.name, "format": fmt, "size": sink.size, "sha256": sink.digest.hexdigest(),
-                    "root": root},
-    }
+    return Packed(tuple(entries), ArchiveFile(out_path.name, fmt, sink.size, sink.digest.hexdigest(), root))
 
 
 # -- verification ---------------------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class VerifiedBuild:
     """
 
     directory: Path
-    members: tuple[dict, ...]
+    members: tuple[Member, ...]
     stamps: tuple[tuple[str, int, int, int, int], ...]  # (name, size, mtime_ns, ctime_ns, inode)
 
     def recheck(self) -> None:
@@ -199,26 +199,26 @@ def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
                              "was tampered with; fetch it again")
 
 
-def verify_build(directory: Path, members: list[dict]) -> VerifiedBuild:
+def verify_build(directory: Path, members: tuple[Member, ...]) -> VerifiedBuild:
     """Hash an existing rank directory against ``members``; it must hold exactly those files."""
     directory = Path(directory)
     found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    expected = sorted(m["path"] for m in members)
+    expected = sorted(m.path for m in members)
     if found != expected:
         raise IntegrityError(f"{directory} holds {found}, expected exactly {expected}")
     stamps = []
     for m in members:
-        before = file_stamp(directory, m["path"]) if (directory / m["path"]).is_file() else None
-        verify_file(directory / m["path"], m["size"], m["sha256"], "rank file")
-        if file_stamp(directory, m["path"]) != before:  # the stamp must be of the bytes that were hashed
-            raise IntegrityError(f"rank file {directory / m['path']} changed while it was being verified: refusing it")
+        before = file_stamp(directory, m.path) if (directory / m.path).is_file() else None
+        verify_file(directory / m.path, m.size, m.sha256, "rank file")
+        if file_stamp(directory, m.path) != before:  # the stamp must be of the bytes that were hashed
+            raise IntegrityError(f"rank file {directory / m.path} changed while it was being verified: refusing it")
         stamps.append(before)
     return VerifiedBuild(directory, tuple(members), tuple(stamps))
 
 
 # -- extraction -----------------------------------------------------------------------------------------------------
 
-def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, dict]) -> str:
+def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, Member]) -> str:
     """The member file name of ``info``, or raise: only ``root/`` and ``root/<allowed>`` regular files pass."""
     name = info.name
     if name.startswith("/") or "\\" in name or "\0" in name:
@@ -237,9 +237,9 @@ def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, dict]) -> 
     if len(parts) != 2 or parts[0] != root or parts[1] not in allowed:
         raise IntegrityError(f"archive member {name!r} is not one of the expected files "
                              f"{[f'{root}/{m}' for m in sorted(allowed)]}")
-    if info.size > allowed[parts[1]]["size"]:
+    if info.size > allowed[parts[1]].size:
         raise IntegrityError(f"archive member {name!r} is {info.size} bytes, larger than the "
-                             f"{allowed[parts[1]]['size']} the manifest allows")
+                             f"{allowed[parts[1]].size} the manifest allows")
     return parts[1]
 
 
@@ -275,12 +275,12 @@ class _Bounded:
         return data
 
 
-def tar_bytes_bound(members: list[dict]) -> int:
+def tar_bytes_bound(members: list[Member]) -> int:
     """The most bytes a tar stream of ``members`` (and their directory) can take as ``pack`` writes it: each
     entry's data in whole blocks behind at most two header blocks and one extended record, the end blocks and the
     record padding."""
     per_entry = 2 * BLOCK + MAX_EXTENDED_HEADER
-    data = sum(-(-m["size"] // BLOCK) * BLOCK for m in members)
+    data = sum(-(-m.size // BLOCK) * BLOCK for m in members)
     return data + (len(members) + 1) * per_entry + 2 * BLOCK + RECORD
 
 
@@ -306,7 +306,7 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path, staging: Pat
     verify_file(archive, spec.size, spec.sha256, "archive")
     if dest.exists():
         raise IntegrityError(f"refusing to unpack into existing {dest}: choose a new directory")
-    allowed = {m["path"]: m for m in manifest.member_files()}
+    allowed = {m.path: m for m in manifest.members}
     tmp = temp_dir_beside(staging / dest.name) if staging else temp_dir_beside(dest)
     try:
         seen: set[str] = set()
@@ -333,21 +333,21 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path, staging: Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return VerifiedBuild(dest, tuple(manifest.member_files()), tuple(file_stamp(dest, m) for m in sorted(allowed)))
+    return VerifiedBuild(dest, manifest.members, tuple(file_stamp(dest, m) for m in sorted(allowed)))
 
 
-def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, path: Path, expected: dict) -> None:
+def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, path: Path, expected: Member) -> None:
     source = tar.extractfile(info)
     digest, size = hashlib.sha256(), 0
     with open(path, "xb") as out:
         while chunk := source.read(READ_CHUNK):
             size += len(chunk)
-            if size > expected["size"]:
-                raise IntegrityError(f"archive member {info.name!r} runs past its manifest size {expected['size']}")
+            if size > expected.size:
+                raise IntegrityError(f"archive member {info.name!r} runs past its manifest size {expected.size}")
             digest.update(chunk)
             out.write(chunk)
         out.flush()
         os.fsync(out.fileno())
-    if size != expected["size"] or digest.hexdigest() != expected["sha256"]:
+    if size != expected.size or digest.hexdigest() != expected.sha256:
         raise IntegrityError(f"archive member {info.name!r} does not match the manifest (size {size}, "
                              f"sha256 {digest.hexdigest()})")

@@ -10,7 +10,7 @@ that is unset is left out, so manifests published before it was typed read and w
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,6 @@ class Manifest(Record):
     @property
     def shape(self) -> BuildShape:
         return self.variant.shape
-
-    def member_files(self) -> list[dict[str, Any]]:
-        """The members as the archive's verification and the backends' loaders read them (path, size, sha256)."""
-        return [asdict(member) for member in self.members]
 
     def problems(self) -> list[str]:
         found = [f"field {key} is not a sha256" for key, value in (("fingerprint", self.fingerprint),

@@ -99,7 +99,7 @@ def record(build: VerifiedBuild, manifest: Manifest, commit: str, source: str, p
     """The record of ``build`` (just hashed against ``manifest``, whose bytes are beside it), fetched from ``source``
     at ``commit``; ``pulled`` is kept from an earlier record of the same entry."""
     build.recheck()  # the stamps recorded are those of the bytes that were hashed
-    sha256 = {member["path"]: member["sha256"] for member in build.members}
+    sha256 = {member.path: member.sha256 for member in build.members}
     files = [PulledFile(name, size, sha256[name], mtime_ns, ctime_ns, inode)
              for name, size, mtime_ns, ctime_ns, inode in build.stamps]
     return Pulled(schema_version=Pulled.SCHEMA_VERSION, version=manifest.version,
@@ -131,7 +131,7 @@ def writable_by_others(paths: list[Path]) -> Path | None:
 def unchanged_since_hashed(rank_dir: Path, manifest: Manifest, pulled: Pulled) -> str | None:
     """None when ``pulled`` vouches for ``rank_dir`` as ``manifest`` describes it, without reading a byte; else what
     differs (the files are then hashed again)."""
-    members = {m["path"]: m for m in manifest.member_files()}
+    members = {m.path: m for m in manifest.members}
     open_to_others = writable_by_others([rank_dir.parent, rank_dir, pulled_beside(rank_dir), manifest_beside(rank_dir),
                                          *(rank_dir / name for name in members if (rank_dir / name).is_file())])
     if open_to_others is not None:
@@ -145,7 +145,7 @@ def unchanged_since_hashed(rank_dir: Path, manifest: Manifest, pulled: Pulled) -
         return "it does not hold exactly the manifest's files"
     for name, member in members.items():
         f = recorded[name]
-        if f.sha256 != member["sha256"] or f.size != member["size"]:
+        if f.sha256 != member.sha256 or f.size != member.size:
             return f"{name}'s recorded sha256 is not the manifest's"
         if file_stamp(rank_dir, name) != (name, f.size, f.mtime_ns, f.ctime_ns, f.inode):
             return f"{name} changed (size, mtime, ctime or inode) since it was hashed"
@@ -162,10 +162,10 @@ def reverified(rank_dir: Path, manifest: Manifest, full: bool = False) -> tuple[
                                                                                                    pulled)
     if differs is None:  # the stamps a backend rechecks before loading are the recorded ones, of the hashed bytes
         stamps = tuple((f.path, f.size, f.mtime_ns, f.ctime_ns, f.inode) for f in pulled.files)
-        return VerifiedBuild(rank_dir, tuple(manifest.member_files()), stamps), "by its record"
+        return VerifiedBuild(rank_dir, manifest.members, stamps), "by its record"
     if pulled is not None and not full:
         log.info("%s is hashed again: %s", rank_dir.name, differs)
-    build = verify_build(rank_dir, manifest.member_files())
+    build = verify_build(rank_dir, manifest.members)
     if pulled is not None:
         record(build, manifest, pulled.commit, pulled.source, pulled.pulled).write(path)
     return build, "hashed"

@@ -419,7 +419,7 @@ class NeuronRunner(RankRunner):
 
     def __init__(self, build: VerifiedBuild, shape: BuildShape):
         self.shape = shape
-        names = sorted(m["path"] for m in build.members)
+        names = sorted(m.path for m in build.members)
         expected = build_members(shape)
         if names != sorted(expected):
             raise IntegrityError(f"{build.directory} holds {names}, a {shape.prefill}-prefill tp_degree "

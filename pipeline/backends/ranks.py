@@ -227,8 +227,8 @@ class ProcessRunner(RankRunner):
     def __init__(self, build: VerifiedBuild, shape: BuildShape, target, job: tuple):
         self.shape = shape
         started = time.monotonic()
-        if sorted(m["path"] for m in build.members) != sorted(rank_members(shape.tp_degree)):
-            raise IntegrityError(f"{build.directory} holds {[m['path'] for m in build.members]}, a tp_degree "
+        if sorted(m.path for m in build.members) != sorted(rank_members(shape.tp_degree)):
+            raise IntegrityError(f"{build.directory} holds {[m.path for m in build.members]}, a tp_degree "
                                  f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
         self.group = RankGroup(shape.tp_degree, job, target)
         self.ready = self.group.receive_all(timeout=600)

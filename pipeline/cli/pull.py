@@ -526,7 +526,7 @@ def already_there(target: Path, manifest: Manifest, work: Path, source, commit: 
     pulled from an archive of another sha256 (a version names one set of bytes)."""
     entry = pulled.Pulled.read_if_valid(pulled.pulled_beside(target))
     if entry is None:  # an earlier release's pull, or somebody's folder: every byte hashed, nothing changed if wrong
-        build = verify_build(target, manifest.member_files())
+        build = verify_build(target, manifest.members)
         keep_beside(work, target)
         pulled.record(build, manifest, commit, source.identity).write(pulled.pulled_beside(target))
         return True

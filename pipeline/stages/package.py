@@ -16,9 +16,8 @@ from pipeline import __version__
 from pipeline.artifact import archive as archive_mod
 from pipeline.artifact import signing
 from pipeline.artifact.formats import SUFFIX
-from pipeline.artifact.manifest import SCHEMA_VERSION, ArchiveFile, Manifest
+from pipeline.artifact.manifest import SCHEMA_VERSION, Manifest
 from pipeline.config import PipelineConfig
-from pipeline.core.build_records import Member
 from pipeline.core.errors import IntegrityError
 from pipeline.core.fsutil import reporting_full_disk, staged_dir
 from pipeline.core.log import log
@@ -69,8 +68,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     with reporting_full_disk(paths.dist, "package"), staged_dir(paths.dist) as tmp:
         out = tmp / f"{root}{SUFFIX[cfg.package.format]}"
         packed = archive_mod.pack(paths.build, recorded, root, out, cfg.package.format, cfg.package.threads)
-        members = tuple(Member(**m) for m in packed["members"])
-        if members != build.members:
+        if packed.members != build.members:
             raise IntegrityError(f"{paths.build} changed while it was being packed: rerun stage=package")
         Manifest(
             schema_version=SCHEMA_VERSION,
@@ -82,17 +80,17 @@ def run(cfg: PipelineConfig) -> StageResult:
             compiler=build.compiler,
             toolchain=build.toolchain,
             layout=build.layout,
-            members=members,
-            archive=ArchiveFile(**packed["archive"]),
+            members=packed.members,
+            archive=packed.archive,
             created_by=f"gemma4-neuron-pipeline {__version__}",
         ).write(tmp / "manifest.json")
         if cfg.package.signing.private_key:
             signing.sign(tmp, out.name, cfg.package.signing.private_key)
-    size_in = sum(m["size"] for m in packed["members"])
+    size_in = sum(m.size for m in packed.members)
     took = time.monotonic() - started
     log.info("package: %s -> %s (%.1f MB of %.1f MB, %.0f MB/s, sha256 %s, %s)", cfg.variant.name,
-             packed["archive"]["name"], packed["archive"]["size"] / 1e6, size_in / 1e6, size_in / 1e6 / max(took, 1e-9),
-             packed["archive"]["sha256"][:12], "signed" if cfg.package.signing.private_key else "unsigned")
+             packed.archive.name, packed.archive.size / 1e6, size_in / 1e6, size_in / 1e6 / max(took, 1e-9),
+             packed.archive.sha256[:12], "signed" if cfg.package.signing.private_key else "unsigned")
     return StageResult("package", StageStatus.ran, time.monotonic() - started)
 
 
