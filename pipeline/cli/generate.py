@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.artifact.manifest import Manifest, manifest_of
@@ -32,8 +33,18 @@ from pipeline.validation.prompts import chat_ids
 DEFAULT_NEW_TOKENS = 64  # when --max-new-tokens is not given: this many, or what the cache holds if fewer
 
 
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    ttft_ms: float
+    tokens_per_s: float | None
+    """None when it decoded no token after the first."""
+
+
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int | None,
-             text_prefix: str | None, verify_full: bool = False, decode_threads: int = DECODE_THREADS) -> dict:
+             text_prefix: str | None, verify_full: bool = False, decode_threads: int = DECODE_THREADS) -> Generated:
     from transformers import AutoTokenizer
 
     from pipeline.recipe.checkpoint import Checkpoint
@@ -62,9 +73,8 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
             out = gen.generate(ids, new_tokens)
     tokens = [t for t in out.tokens if t not in spec.eos_token_ids]
     decode_s = sum(out.decode_s)
-    return {"text": tokenizer.decode(tokens, skip_special_tokens=True), "prompt_tokens": len(ids),
-            "new_tokens": len(out.tokens), "ttft_ms": round(out.ttft_s * 1e3, 1),
-            "tokens_per_s": round(len(out.decode_s) / decode_s, 1) if decode_s else None}
+    return Generated(tokenizer.decode(tokens, skip_special_tokens=True), len(ids), len(out.tokens),
+                     round(out.ttft_s * 1e3, 1), round(len(out.decode_s) / decode_s, 1) if decode_s else None)
 
 
 def main(argv: list[str]) -> int:
@@ -87,11 +97,11 @@ def main(argv: list[str]) -> int:
     with exit_on_error():
         result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix,
                           args.verify_full, args.decode_threads)
-    print(result["text"])
+    print(result.text)
     if is_tiny(args.checkpoint):
         log.warning("generate: %s", MEANINGLESS)
-    log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result["prompt_tokens"],
-             result["new_tokens"], result["ttft_ms"], result["tokens_per_s"])
+    log.info("%d prompt tokens, %d new tokens, first token %.0f ms, %s tok/s", result.prompt_tokens,
+             result.new_tokens, result.ttft_ms, result.tokens_per_s)
     return 0
 
 

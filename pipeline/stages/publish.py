@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock
 
@@ -242,14 +244,37 @@ def index_files_of(target, head: str, written: index.VersionIndex, private_key: 
     return {layout.INDEX: data, layout.INDEX_SIGNATURE: signed or index.signature(data, private_key)}
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What publishing a version did on its target: the commit its tag names, and whether it made it or repaired
+    its archive (neither: it was already there)."""
+
+    commit: str
+    created: bool
+    repaired: bool
+
+
+@dataclass(frozen=True)
+class IndexRefresh:
+    """What refreshing the index did: the head's commit, whether the index was written again, and the index it
+    holds (all None but ``refreshed`` when nothing is published there)."""
+
+    commit: str | None
+    refreshed: bool
+    expires: str | None
+    index_version: int | None
+
+
 def publish_version(target, version: str, variant: str, prepare, ours: Manifest, repo_id: str, source: str,
-                    archive: Path, private_key: str | None, expiry_days: float) -> dict:
+                    archive: Path, private_key: str | None, expiry_days: float) -> PublishOutcome:
     """Publish a version as one commit tagged ``version`` on ``target``; idempotent on its rank files (same_build),
     once the published archive is verified against its manifest (and repaired from ``archive`` if it can be).
 
     ``prepare(previous)`` gets the manifest of the version of this variant the target's head holds (or None) and
-    returns ``(files, manifest)`` to publish (it may refuse: the regression gate). Returns
-    ``{"commit": oid, "created": bool, "repaired": bool}``.
+    returns ``(files, manifest)`` to publish (it may refuse: the regression gate).
     """
     target.ensure()
     tags = target.tags()
@@ -261,9 +286,9 @@ def publish_version(target, version: str, variant: str, prepare, ours: Manifest,
             if problem is None:
                 log.info("publish: %s is already published at %s (the same rank files, its archive verified): "
                          "nothing to do", version, tags[version][:12])
-                return {"commit": tags[version], "created": False, "repaired": False}
+                return PublishOutcome(tags[version], created=False, repaired=False)
             commit = repair(target, version, variant, archive, ours, theirs, problem)
-            return {"commit": commit, "created": False, "repaired": True}
+            return PublishOutcome(commit, created=False, repaired=True)
         raise PublishError(f"version {version} is already published (commit {tags[version][:12]}) from another build "
                            "(its rank files or archive format differ): the same inputs gave different files, so "
                            "something that decides them is missing from the version's inputs (stages/trace.py, "
@@ -280,10 +305,10 @@ def publish_version(target, version: str, variant: str, prepare, ours: Manifest,
              and p not in files]
     commit = target.commit(files, stale, f"Publish {version}", head)
     target.tag(version, commit, replace=False)
-    return {"commit": commit, "created": True, "repaired": False}
+    return PublishOutcome(commit, created=True, repaired=False)
 
 
-def on_target(cfg: PipelineConfig, act, what: str) -> tuple[dict, str]:
+def on_target(cfg: PipelineConfig, act: Callable[[object, str], T], what: str) -> tuple[T, str]:
     """``act(target, source)`` on the configured target (the local repository under its lock; the Hub with retries):
     its result and where the target is."""
     pub = cfg.publish
@@ -300,40 +325,39 @@ def on_target(cfg: PipelineConfig, act, what: str) -> tuple[dict, str]:
                             pub.retry_base_s, pub.retry_max_s, pub.repo_id), pub.repo_id
 
 
-def refresh_index(cfg: PipelineConfig, force: bool = False) -> dict:
+def refresh_index(cfg: PipelineConfig, force: bool = False) -> IndexRefresh:
     """Write the target's ``versions.json`` again (same rows, the next ``index_version``, a new expiry; signed where
     signing is on) when less than half of ``publish.index_expiry_days`` is left, or with ``force``: what keeps a
-    consumer with the public key taking it while nothing new is published. Returns ``{"commit", "refreshed",
-    "expires", "index_version"}``, all None but ``refreshed`` when nothing is published there."""
+    consumer with the public key taking it while nothing new is published."""
     pub, key = cfg.publish, cfg.package.signing.private_key
 
-    def refresh(target, _source: str) -> dict:
+    def refresh(target, _source: str) -> IndexRefresh:
         # Nothing published there yet (a first run that built nothing new, a host whose publish=local folder is its
         # own): nothing can expire, and the repository is not created by a command that only keeps one fresh.
         raw = target.read(head := target.head(), layout.INDEX) if target.exists() else None
         if raw is None:
-            return {"commit": None, "refreshed": False, "expires": None, "index_version": None}
+            return IndexRefresh(None, refreshed=False, expires=None, index_version=None)
         previous = index.readable(raw)
         if previous is None:
             raise PublishError(f"the head of {pub.repo_id} holds no {layout.INDEX} this release reads: publish any "
                                "version with this release first (it writes the index whole)")
         left = index.parsed_time(previous.expires) - index.parsed_time(index.now())
         if not force and left.total_seconds() > pub.index_expiry_days * 86400 / 2:
-            return {"commit": head, "refreshed": False, "expires": previous.expires,
-                    "index_version": previous.index_version}
+            return IndexRefresh(head, refreshed=False, expires=previous.expires,
+                                index_version=previous.index_version)
         new = index.refreshed(previous, pub.index_expiry_days)
         stale = [layout.INDEX_SIGNATURE] if not key and layout.INDEX_SIGNATURE in target.list_files(head) else []
         commit = target.commit(index_files_of(target, head, new, key), stale,
                                f"Refresh {layout.INDEX} (index_version {new.index_version})", head)
-        return {"commit": commit, "refreshed": True, "expires": new.expires, "index_version": new.index_version}
+        return IndexRefresh(commit, refreshed=True, expires=new.expires, index_version=new.index_version)
 
     result, where = on_target(cfg, refresh, "refreshing the index")
-    if result["commit"] is None:
+    if result.commit is None:
         log.warning("refresh-index: %s: no %s there (nothing published yet): nothing to refresh", where, layout.INDEX)
         return result
     log.info("refresh-index: %s: %s (index_version %d, expires %s)", where,
-             "written again" if result["refreshed"] else "fresh enough, nothing to do", result["index_version"],
-             result["expires"])
+             "written again" if result.refreshed else "fresh enough, nothing to do", result.index_version,
+             result.expires)
     return result
 
 
@@ -361,17 +385,17 @@ def run(cfg: PipelineConfig) -> StageResult:
         final = published_manifest(manifest, summary, found, bool(sig.private_key))
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
-    def publish(target, source: str) -> dict:
+    def publish(target, source: str) -> PublishOutcome:
         return publish_version(target, version, cfg.variant.name, prepare, manifest, pub.repo_id, source, archive,
                                sig.private_key, pub.index_expiry_days)
 
     if pub.target != "local":
         require_real_or_allowed(manifest, pub.repo_id, pub.allow_demo)
     result, where = on_target(cfg, publish, f"publishing {version}")
-    receipt = PublishReceipt(pub.target, where, version, version, result["commit"], manifest.fingerprint,
+    receipt = PublishReceipt(pub.target, where, version, version, result.commit, manifest.fingerprint,
                              manifest.archive.sha256)
     write_json_if_changed(paths.receipt, receipt.to_json())  # unchanged: its mtime kept (DVC and make see no change)
-    log.info("publish: %s -> %s @ %s (%s)", version, where, result["commit"][:12],
-             "new commit" if result["created"] else "archive repaired" if result["repaired"] else "already there")
-    status = StageStatus.ran if result["created"] or result["repaired"] else StageStatus.skipped
-    return StageResult("publish", status, details=result)
+    log.info("publish: %s -> %s @ %s (%s)", version, where, result.commit[:12],
+             "new commit" if result.created else "archive repaired" if result.repaired else "already there")
+    status = StageStatus.ran if result.created or result.repaired else StageStatus.skipped
+    return StageResult("publish", status, details=asdict(result))
