@@ -21,6 +21,7 @@ lists none, the sha256 of the file as downloaded.
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from dataclasses import dataclass
@@ -82,12 +83,35 @@ def pinned_names(base_lock: Path | None) -> dict[str, str]:
     return {canonicalize_name(p.split("==")[0]): p.split("==")[1].split(";")[0].strip() for p in base_pins(base_lock)}
 
 
-def sha256_of(item: dict) -> str:
+@dataclass(frozen=True)
+class Chosen:
+    """A file pip's resolution would install, from its installation report (``pip install --dry-run --report``)."""
+
+    name: str
+    """The project's canonical name."""
+    version: str
+    url: str
+    listed_sha256: str | None
+    """The sha256 its index listed beside the file (None when it listed none)."""
+
+
+def report_files(report: Path) -> list[Chosen]:
+    """The ``install`` list of pip's installation report (its format: pip's docs, "Installation Report", version 1:
+    ``metadata`` is the file's core metadata, ``download_info`` a PEP 610 direct URL record)."""
+    chosen = []
+    for item in json.loads(Path(report).read_text()).get("install", []):
+        metadata, download = item["metadata"], item["download_info"]
+        hashes = (download.get("archive_info") or {}).get("hashes") or {}
+        chosen.append(Chosen(canonicalize_name(metadata["name"]), metadata["version"], download["url"],
+                             hashes.get("sha256")))
+    return chosen
+
+
+def sha256_of(file: Chosen) -> str:
     """The sha256 of a file of pip's installation report: as its index lists it, else hashed as downloaded."""
-    hashes = (item.get("download_info", {}).get("archive_info") or {}).get("hashes") or {}
-    if hashes.get("sha256"):
-        return hashes["sha256"]
-    with urllib.request.urlopen(urldefrag(item["download_info"]["url"]).url, timeout=300) as response:
+    if file.listed_sha256:
+        return file.listed_sha256
+    with urllib.request.urlopen(urldefrag(file.url).url, timeout=300) as response:
         return sha256_stream(response)[1]
 
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
@@ -64,6 +64,17 @@ class Offer:
     yanked: bool = False
 
 
+@dataclass(frozen=True)
+class PackageStatus:
+    """One package of the plan: its installed and target versions, and ``missing``, ``current``, ``upgrade`` or
+    ``change``."""
+
+    name: str
+    installed: str | None
+    target: str | None
+    status: str
+
+
 @dataclass
 class Plan:
     """The installed release, the target release and what to say about them."""
@@ -81,13 +92,13 @@ class Plan:
     def exit_code(self) -> int:
         return EXIT_CODES[self.status]
 
-    def packages(self) -> list[dict[str, str | None]]:
+    def packages(self) -> list[PackageStatus]:
         rows = []
         for name in PACKAGES:
             have, want = self.installed.get(name), self.target.get(name)
             status = ("missing" if have is None else "current" if want is None or same_release(have, want)
                       else "upgrade" if newer(want, have) else "change")
-            rows.append({"name": name, "installed": have, "target": want, "status": status})
+            rows.append(PackageStatus(name, have, want, status))
         return rows
 
 
@@ -343,36 +354,37 @@ def chosen_files(python: str | None, index: str, versions: dict[str, str], avail
                          "--report", str(report), *[f"{n}=={v}" for n, v in versions.items()]],
                 f"asking the Neuron repository {index} for the files of {', '.join(versions.values())}",
                 env=only_the_neuron_index(index, tmp))
-        chosen = json.loads(report.read_text()).get("install", [])
+        chosen = neuron_lock.report_files(report)
     files = {}
-    for item in chosen:
-        name, url = canonicalize_name(item["metadata"]["name"]), unquote(urldefrag(item["download_info"]["url"]).url)
+    for file in chosen:
+        url = unquote(urldefrag(file.url).url)
         if url not in own:
-            raise UpgradeCheckError(f"pip chose {name} {item['metadata']['version']} from {url}, which is not a file "
+            raise UpgradeCheckError(f"pip chose {file.name} {file.version} from {url}, which is not a file "
                                     f"of the Neuron repository {index}: nothing was installed")
-        files[name] = own[url]
+        files[file.name] = own[url]
     missing = [n for n in versions if canonicalize_name(n) not in files]
     if missing:
         raise UpgradeCheckError(f"pip's report names no file for {missing}")
     return {n: files[canonicalize_name(n)] for n in versions}
 
 
-def resolve(python: str | None, args: list[str], what: str, env: dict[str, str] | None = None) -> list[dict]:
+def resolve(python: str | None, args: list[str], what: str, env: dict[str, str] | None = None
+            ) -> list[neuron_lock.Chosen]:
     """What ``pip <args>`` (an install) would install, as its ``--report`` lists it, installing nothing."""
     with tempfile.TemporaryDirectory(prefix="check-upgrades-") as tmp:
         report = Path(tmp) / "report.json"
         run_pip(python, [*args, "--dry-run", "--report", str(report)], what, env=env)
-        return json.loads(report.read_text()).get("install", [])
+        return neuron_lock.report_files(report)
 
 
-def checked_files(index: str, chosen: list[dict], available: dict[str, list[Offer]]) -> list[tuple[dict, str]]:
+def checked_files(index: str, chosen: list[neuron_lock.Chosen], available: dict[str, list[Offer]]
+                  ) -> list[tuple[neuron_lock.Chosen, str]]:
     """Each file of pip's resolution ``chosen`` and the URL it is pinned to: a package the Neuron repository serves
     (it has a page for the name) only as a file listed on that page, else nothing is installed; any other package
     as pip chose it through your pip settings."""
     files = []
     for item in chosen:
-        name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
-        url = item["download_info"]["url"]
+        name, version, url = item.name, item.version, item.url
         served = available.get(name)
         if served is None:
             served = offers(index, name, absent_ok=True)
@@ -415,7 +427,7 @@ def lock_entries(python: str | None, index: str, release: str, versions: dict[st
             raise ResolutionConflict(exc.what, exc.conflict, base_lock) from None
         public = []
         for item in first:
-            name, url = canonicalize_name(item["metadata"]["name"]), item["download_info"]["url"]
+            name, url = item.name, item.url
             if name not in served:
                 served[name] = offers(index, name, absent_ok=True)
             if served[name] is None:
@@ -423,7 +435,7 @@ def lock_entries(python: str | None, index: str, release: str, versions: dict[st
             elif not any(unquote(urldefrag(o.url).url) == unquote(urldefrag(url).url) for o in served[name]):
                 log.warning("check-upgrades: another index offers %s %s (%s), passed over: only the Neuron "
                             "repository's files of %s are locked. Find out who published it there", name,
-                            item["metadata"]["version"], url, name)
+                            item.version, url, name)
         (Path(tmp) / "public.txt").write_text("\n".join(public) + "\n")
         final = resolve(python, ["install", "--ignore-installed", "--index-url", index, "--constraint",
                                  str(Path(tmp) / "public.txt"), *direct],
@@ -432,7 +444,7 @@ def lock_entries(python: str | None, index: str, release: str, versions: dict[st
     base = neuron_lock.pinned_names(base_lock)
     entries = []
     for item, url in checked_files(index, final, {k: v for k, v in served.items() if v is not None}):
-        name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
+        name, version = item.name, item.version
         if base.get(name) == version:  # installed by the base lock already
             continue
         entries.append(neuron_lock.Locked(name, version, urldefrag(url).url, neuron_lock.sha256_of(item)))
@@ -499,8 +511,7 @@ def table(result: Plan) -> str:
              f"target release: {result.target_release or '(none offered)'}    torch: {result.torch}",
              f"{'package':<22} {'installed':<26} {'target':<26} status"]
     for p in result.packages():
-        lines.append(f"{p['name']:<22} {p['installed'] or '(not installed)':<26} {p['target'] or '-':<26} "
-                     f"{p['status']}")
+        lines.append(f"{p.name:<22} {p.installed or '(not installed)':<26} {p.target or '-':<26} {p.status}")
     return "\n".join(lines)
 
 
@@ -520,7 +531,8 @@ def document(result: Plan, index: str) -> dict:
     return {"status": result.status, "index": index, "torch": result.torch,
             "installed": {"release": result.installed_release, "versions": result.installed},
             "target": {"release": result.target_release, "versions": result.target},
-            "newer_than_table": result.newer_than_table, "notes": messages(result), "packages": result.packages()}
+            "newer_than_table": result.newer_than_table, "notes": messages(result),
+            "packages": [asdict(p) for p in result.packages()]}
 
 
 def main(argv: list[str]) -> int:
