@@ -210,6 +210,10 @@ def _drop(key):
     (Manifest, "manifest", lambda d: d["toolchain"]["packages"]["torch"].update(version=2.8),
      r"field toolchain\.packages\.torch\.version has the wrong type \(float; expected str\)"),
     (BuildRecord, "build_record", lambda d: d["toolchain"].pop("neuronx_cc"), r"missing field toolchain\.neuronx_cc"),
+    (BuildRecord, "build_record", lambda d: d["preflight"]["measured"].pop("written_bytes"),
+     r"missing field preflight\.measured\.written_bytes"),
+    (BuildRecord, "build_record", lambda d: d["preflight"]["host"].update(neuron_cores="2"),
+     r"field preflight\.host\.neuron_cores has the wrong type \(str; expected int\)"),
 ])
 def test_a_reader_refuses_a_broken_record_naming_the_file_the_key_and_the_fix(packaged, tmp_path, cls, where, edit,
                                                                               problem):

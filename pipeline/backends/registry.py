@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 from pipeline.backends.packages import NEURON_MODULES, XLA_MISSING
 from pipeline.config import PipelineConfig, ResourceNeed
+from pipeline.core.build_records import WeightBytes
 from pipeline.core.shape import BuildShape
 from pipeline.core.units import GIB
-from pipeline.host import preflight
 from pipeline.host.preflight import Factors
 
 # The packages whose versions decide each backend's rank files' bytes (the host's aws-neuronx-* driver and runtime do
@@ -185,7 +185,7 @@ class BackendEntry:
         """Environment that changes what neuronx-cc produces (optimum-neuron#457: NEURON_CC_FLAGS changes the code)."""
         return {"NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS")} if self.neuronx_cc else {}
 
-    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int | None:
+    def work_folder_bytes(self, shape: BuildShape, weights: WeightBytes) -> int | None:
         """Bytes its trace writes in the compiler's work folder beyond ``resources.disk_gb`` (None: it writes none
         there)."""
         return None
@@ -222,7 +222,7 @@ class NeuronEntry(BackendEntry):
 
         return core_lease(shape.tp_degree, visible_cores, what, host_cores)
 
-    def work_folder_bytes(self, shape: BuildShape, weights: preflight.WeightBytes) -> int | None:
+    def work_folder_bytes(self, shape: BuildShape, weights: WeightBytes) -> int | None:
         # ModelBuilder writes every rank's slice of the weights into its work folder before loading them back
         # (tp{rank}_sharded_checkpoint.safetensors: NxD v2.28.0 trace/model_builder.py:764-773, 984): all ranks'
         # bytes again, on the work folder's file system, beside its compiler files.

@@ -178,6 +178,86 @@ class ModelRecord(Record):
         return ModelIdentity(self.name, self.hub_id, self.revision, self.config_digest, self.weights_digest)
 
 
+# -- the preflight's figures, as the records keep them ----------------------------------------------------------------
+# pipeline/host/preflight.py makes them; build.json, validation.json and reference.json record them beside what the
+# stage then measured, so that its factors can be derived again from real runs.
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The weights a variant's processes hold, in bytes: what its memory and disk needs grow with."""
+
+    rank: int
+    """One rank's tensors at the variant's dtype (``ShardPlan.rank_bytes``): what a rank's trace or load holds."""
+    tp_degree: int
+    largest: int
+    """The largest of those tensors (``ShardPlan.largest_tensor_bytes``): a rank file's rewrite holds one at once."""
+    host_prefill: int
+    """The host's prefill model of a host-prefill variant: the whole decoder as one rank at the variant's dtype
+    (pipeline/recipe/host.py)."""
+    host_float: int
+    """The same decoder in fp32: what the float reference holds (pipeline/stages/reference.py; the per-layer table
+    stays mapped in its file, and a tied head is the token table)."""
+
+    @property
+    def ranks(self) -> int:
+        return self.rank * self.tp_degree
+
+
+@dataclass(frozen=True)
+class NeedFigures:
+    """What a stage was checked for (host.preflight ``Need``), in GiB."""
+
+    memory_gib: float
+    neuron_cores: int
+    disk_gib: dict[str, float]
+    """By the path written."""
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """What the host offered when it was checked (host.preflight ``Resources``), in GiB."""
+
+    mem_available_gib: float
+    swap_free_gib: float
+    cgroup_limit_gib: float | None
+    usable_memory_gib: float
+    disk_free_gib: dict[str, float]
+    """By the path written."""
+    neuron_cores: int | None
+    """None: neuron-ls is absent."""
+    neuron_cores_busy: int
+
+
+@dataclass(frozen=True)
+class EstimateFigures:
+    """What the need was derived from (host.preflight ``Estimate``)."""
+
+    weights_bytes: WeightBytes
+    resources_gb: dict[str, float]
+    """The derived ``model.resources.<backend>`` (config.py ResourceNeed), by its field."""
+    overridden: tuple[str, ...]
+    """The fields of it the configuration set."""
+
+
+@dataclass(frozen=True)
+class TracePeaks:
+    stage_peak_rss_bytes: int
+    graph_peak_rss_bytes: int
+    """The largest trace process's."""
+    written_bytes: int
+    """The rank files'."""
+
+
+@dataclass(frozen=True)
+class TracePreflight:
+    """build.json's ``preflight``: the check the trace passed, and what the trace then measured."""
+
+    need: NeedFigures
+    host: HostFigures
+    estimate: EstimateFigures
+    measured: TracePeaks
+
+
 @dataclass(frozen=True)
 class BuildRecord(Record):
     """``build.json``: what the trace built, from what and how, and each rank file's checksum."""
@@ -196,8 +276,7 @@ class BuildRecord(Record):
     compiler: Compiler
     toolchain: ToolchainRecord
     """The toolchain record the build was made with (artifacts/toolchain.json)."""
-    preflight: dict[str, Any]
-    """What the host was checked for and what it offered (host.preflight's records)."""
+    preflight: TracePreflight
     trace: dict[str, Any]
     """The backend's account of the trace: API, times, peak RSS per rank."""
     members: tuple[Member, ...]

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from pipeline.config import ResourceNeed
+from pipeline.core.build_records import EstimateFigures, HostFigures, NeedFigures, WeightBytes
 from pipeline.core.errors import PreflightError
+from pipeline.core.records import encode
 from pipeline.core.units import GIB, parse_size
 
 if TYPE_CHECKING:
@@ -82,14 +84,16 @@ class Resources:
             parts.append(f"cgroup swap limit {self.cgroup_swap_limit / GIB:.1f} GiB")
         return ", ".join(parts)
 
-    def record(self) -> dict:
-        """The figures, for build.json and error reports."""
-        return {"mem_available_gib": round(self.mem_available / GIB, 2),
-                "swap_free_gib": round(self.swap_free / GIB, 2),
-                "cgroup_limit_gib": None if self.cgroup_limit is None else round(self.cgroup_limit / GIB, 2),
-                "usable_memory_gib": round(self.usable_memory / GIB, 2),
-                "disk_free_gib": {p: round(d.free / GIB, 2) for p, d in sorted(self.disks.items())},
-                "neuron_cores": self.neuron_cores, "neuron_cores_busy": self.neuron_cores_busy}
+    def record(self) -> dict:  # until reference.py and validate.py read figures()
+        return encode(self.figures())
+
+    def figures(self) -> HostFigures:
+        """The figures, as the records keep them."""
+        return HostFigures(round(self.mem_available / GIB, 2), round(self.swap_free / GIB, 2),
+                           None if self.cgroup_limit is None else round(self.cgroup_limit / GIB, 2),
+                           round(self.usable_memory / GIB, 2),
+                           {p: round(d.free / GIB, 2) for p, d in sorted(self.disks.items())},
+                           self.neuron_cores, self.neuron_cores_busy)
 
 
 @dataclass
@@ -102,9 +106,12 @@ class Need:
     what: str = "this stage"
     memory_hint: str = ""  # another way out of a memory shortfall, e.g. compiling fewer ranks at once
 
-    def record(self) -> dict:
-        return {"memory_gib": round(self.memory / GIB, 2), "neuron_cores": self.neuron_cores,
-                "disk_gib": {p: round(b / GIB, 2) for p, b in sorted(self.disk.items())}}
+    def record(self) -> dict:  # until reference.py and validate.py read figures()
+        return encode(self.figures())
+
+    def figures(self) -> NeedFigures:
+        return NeedFigures(round(self.memory / GIB, 2), self.neuron_cores,
+                           {p: round(b / GIB, 2) for p, b in sorted(self.disk.items())})
 
 
 # -- reading the host ------------------------------------------------------------------------------------------------
@@ -288,27 +295,6 @@ def make_swap(size: int, swap_file: str, runner=subprocess.run, is_root: bool | 
 
 # -- what a variant needs, from its checkpoint --------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WeightBytes:
-    """The weights a variant's processes hold, in bytes: what its memory and disk needs grow with."""
-
-    rank: int
-    """One rank's tensors at the variant's dtype (``ShardPlan.rank_bytes``): what a rank's trace or load holds."""
-    tp_degree: int
-    largest: int
-    """The largest of those tensors (``ShardPlan.largest_tensor_bytes``): a rank file's rewrite holds one at once."""
-    host_prefill: int
-    """The host's prefill model of a host-prefill variant: the whole decoder as one rank at the variant's dtype
-    (pipeline/recipe/host.py)."""
-    host_float: int
-    """The same decoder in fp32: what the float reference holds (pipeline/stages/reference.py; the per-layer table
-    stays mapped in its file, and a tied head is the token table)."""
-
-    @property
-    def ranks(self) -> int:
-        return self.rank * self.tp_degree
-
-
 def weight_bytes(spec: ModelSpec, shape: BuildShape) -> WeightBytes:
     import torch
 
@@ -395,11 +381,13 @@ class Estimate:
         text = f"{self.weights.tp_degree} rank(s) of {self.weights.rank / GIB:.2f} GiB of weights"
         return text + "".join(f"; model.resources.{self.backend}.{key} is set" for key in self.overridden)
 
-    def record(self) -> dict:
+    def record(self) -> dict:  # until reference.py and validate.py read figures()
+        return encode(self.figures())
+
+    def figures(self) -> EstimateFigures:
         """For build.json: with each trace's measured peaks, what the factors can be derived again from."""
-        return {"weights_bytes": asdict(self.weights),
-                "resources_gb": {k: round(v, 3) for k, v in asdict(self.resources).items()},
-                "overridden": list(self.overridden)}
+        return EstimateFigures(self.weights, {k: round(v, 3) for k, v in asdict(self.resources).items()},
+                               self.overridden)
 
 
 def estimate(spec: ModelSpec, shape: BuildShape, backend: BackendNeeds, overrides: ResourceNeed | None) -> Estimate:

@@ -22,7 +22,15 @@ from pipeline.backends import resolve
 from pipeline.backends.base import CheckpointRef, TraceRequest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
-from pipeline.core.build_records import BuildRecord, Compiler, ModelRecord, ToolchainRecord, Variant
+from pipeline.core.build_records import (
+    BuildRecord,
+    Compiler,
+    ModelRecord,
+    ToolchainRecord,
+    TracePeaks,
+    TracePreflight,
+    Variant,
+)
 from pipeline.core.errors import PipelineError, StaleInputError
 from pipeline.core.fsutil import clean_stale_temps
 from pipeline.core.log import log
@@ -179,10 +187,9 @@ def run(cfg: PipelineConfig) -> StageResult:
         layout=traced.layout,
         compiler=Compiler(compiler_id, req.compiler_args, toolchain.versions()),
         toolchain=toolchain,
-        preflight={**passed.record(),
-                   "measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                "graph_peak_rss_bytes": traced.peak_rss_bytes,
-                                "written_bytes": sum(m.size for m in traced.members)}},
+        preflight=TracePreflight(passed.need.figures(), passed.host.figures(), passed.estimate.figures(),
+                                 TracePeaks(peak_rss_bytes(), traced.peak_rss_bytes,
+                                            sum(m.size for m in traced.members))),
         trace=traced.to_json(),
         members=traced.members,
         model=model_record.identity,
