@@ -24,6 +24,7 @@ from pipeline.backends.aliased_rank import AliasedRank, shape_problems
 from pipeline.backends.base import CheckpointRef, TraceRequest, example_inputs
 from pipeline.backends.neuron import (
     NeuronBackend,
+    OutOfMemory,
     classify_failure,
     missing_api,
     run_isolated,
@@ -311,11 +312,11 @@ def test_a_refused_compile_job_is_reported_as_the_compile_failing(tiny_dir, tmp_
 
 
 def test_failure_text_is_classified():
-    assert classify_failure("INFO:Neuron:Compile command returned: -9") == "host_oom"
-    assert classify_failure("neuronx-cc exited with code -9") == "host_oom"
-    assert classify_failure("Killed") == "host_oom"
-    assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") == "device_oom"
-    assert classify_failure("ERROR NCC_EOOM001") == "device_oom"
+    assert classify_failure("INFO:Neuron:Compile command returned: -9") is OutOfMemory.host_oom
+    assert classify_failure("neuronx-cc exited with code -9") is OutOfMemory.host_oom
+    assert classify_failure("Killed") is OutOfMemory.host_oom
+    assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") is OutOfMemory.device_oom
+    assert classify_failure("ERROR NCC_EOOM001") is OutOfMemory.device_oom
     assert classify_failure("returned: -90 lines") is None and classify_failure("shape mismatch") is None
 
 

@@ -55,6 +55,7 @@ from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, le
 from pipeline.backends.neuron_job import CompileResult, make_job
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.build_records import Member, TraceResult
+from pipeline.core.choices import StrEnum
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
 from pipeline.core.fsutil import sha256_file, staged_dir
 from pipeline.core.log import log
@@ -90,13 +91,21 @@ def neuronx_cc_release(toolchain: dict) -> str | None:
     return release_part(full) or (toolchain.get("packages", {}).get("neuronx-cc") or {}).get("version")
 
 
-def classify_failure(text: str) -> str | None:
-    """``host_oom`` (the compiler was killed, almost always by the out-of-memory killer), ``device_oom`` (the graph
-    does not fit a NeuronCore's memory), or None."""
+class OutOfMemory(StrEnum):
+    """Which memory a failed compile ran out of."""
+
+    host_oom = "host_oom"
+    """The compiler was killed, almost always by the out-of-memory killer."""
+    device_oom = "device_oom"
+    """The graph does not fit a NeuronCore's memory."""
+
+
+def classify_failure(text: str) -> OutOfMemory | None:
+    """The memory a compile's failure ``text`` shows it ran out of, or None."""
     if DEVICE_OOM_RE.search(text):
-        return "device_oom"
+        return OutOfMemory.device_oom
     if HOST_OOM_RE.search(text):
-        return "host_oom"
+        return OutOfMemory.host_oom
     return None
 
 
@@ -310,9 +319,9 @@ def raise_failure(result: CompileResult, what: str, request: TraceRequest, cwd: 
 
     error, trace = result.error, result.traceback or ""
     kind = classify_failure(error + "\n" + trace)
-    if kind == "host_oom":
+    if kind is OutOfMemory.host_oom:
         raise BuildError(oom_message(what, request.host, request.need) + f"\nThe compiler said: {error}")
-    if kind == "device_oom":
+    if kind is OutOfMemory.device_oom:
         raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
                          "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
     kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept under {cwd}" if cwd else ""
