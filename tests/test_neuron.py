@@ -24,15 +24,16 @@ from pipeline.backends.aliased_rank import AliasedRank, shape_problems
 from pipeline.backends.base import CheckpointRef, TraceRequest, example_inputs
 from pipeline.backends.neuron import (
     NeuronBackend,
+    OutOfMemory,
     classify_failure,
     missing_api,
     run_isolated,
     state_parameters,
     write_states,
 )
+from pipeline.backends.neuron_job import CompileResult, NeuronJob, make_job
 from pipeline.backends.neuron_rank import (
     compiler_arg_string,
-    make_job,
     model_builder_plan,
     router_key,
 )
@@ -56,7 +57,7 @@ NEURON_ARGS = ["--model-type=transformer", "--auto-cast=none"]
 NEURON_MODULES = ("torch_neuronx", "neuronx_distributed", "neuronxcc")
 
 
-def job_for(tiny_dir: Path, tmp_path: Path, shape: BuildShape) -> dict:
+def job_for(tiny_dir: Path, tmp_path: Path, shape: BuildShape) -> NeuronJob:
     return make_job(CheckpointRef(tiny_dir, "model."), shape, [], tmp_path / "out", tmp_path / "work", 0, None)
 
 
@@ -255,6 +256,11 @@ def _child(tmp_path: Path, body: str) -> tuple[list[str], Path]:
     ("json.dump({'ok': False, 'error': 'ValueError: bad graph', 'traceback': 'tb'}, open(result, 'w'))",
      r"the compile failed: ValueError: bad graph"),
     ("sys.exit(3)", "exited with code 3 without a result"),
+    ("json.dump({'ok': False, 'error': 'ValueError: bad graph', 'seconds': 'soon'}, open(result, 'w'))",
+     r"result.json is not a valid neuron compile result:\n  - field seconds has the wrong type \(str; expected "
+     r"float\)"),
+    ("json.dump({'ok': False, 'eror': 'ValueError: bad graph'}, open(result, 'w'))",
+     r"(?s)result.json is not a valid neuron compile result:\n  - unknown field eror.*run stage=trace again"),
 ])
 def test_compile_process_failures_are_reported_for_what_they_are(tmp_path, body, match):
     argv, result = _child(tmp_path, body)
@@ -264,12 +270,58 @@ def test_compile_process_failures_are_reported_for_what_they_are(tmp_path, body,
         run_isolated(argv, result, "the compile", request)
 
 
+def test_the_compile_job_is_a_record_read_strictly_and_written_back_byte_for_byte(tiny_dir, tmp_path):
+    job = job_for(tiny_dir, tmp_path, BuildShape(64, 16, "bf16", "device", 2))
+    job.write(tmp_path / "job.json")
+    read = NeuronJob.read(tmp_path / "job.json")
+    assert read == job and read.shape.prefill == "device" and read.checkpoint.text_prefix == "model."
+    read.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "job.json").read_bytes()
+    data = json.loads((tmp_path / "job.json").read_text())
+    data["shape"]["tp_degree"], data["out"] = "2", data.pop("out_dir")
+    (tmp_path / "job.json").write_text(json.dumps(data))
+    with pytest.raises(BuildError, match=r"job.json is not a valid neuron compile job:\n  - field shape.tp_degree has "
+                       r"the wrong type \(str; expected int\)\n  - missing field out_dir\n  - unknown field out\n"):
+        NeuronJob.read(tmp_path / "job.json")
+
+
+def test_the_compile_result_is_a_record_an_outcome_or_a_failure(tmp_path):
+    ok = CompileResult.succeeded(1.5, 2 << 30, {"prefill/_tp0_bk0": "-O1"})
+    ok.write(tmp_path / "result.json")
+    assert json.loads((tmp_path / "result.json").read_text()) == {
+        "ok": True, "seconds": 1.5, "peak_rss_bytes": 2 << 30, "compiler_flags": {"prefill/_tp0_bk0": "-O1"}}
+    assert CompileResult.read(tmp_path / "result.json") == ok
+    try:
+        raise ValueError("bad graph")
+    except ValueError as exc:
+        failed = CompileResult.failed(exc)
+    assert failed.error == "ValueError: bad graph" and "raise ValueError" in failed.traceback
+    for half in ({"ok": True, "seconds": 1.5}, {"ok": False}, {"ok": False, "error": "x", "seconds": 1.5}):
+        (tmp_path / "result.json").write_text(json.dumps(half))
+        with pytest.raises(BuildError, match=r"result.json is not a valid neuron compile result:\n  - ok is"):
+            CompileResult.read(tmp_path / "result.json")
+
+
+def test_a_refused_compile_job_is_reported_as_the_compile_failing(tiny_dir, tmp_path):
+    job = job_for(tiny_dir, tmp_path, BuildShape(64, 16, "bf16", "device", 2))
+    job.write(tmp_path / "job.json")
+    data = json.loads((tmp_path / "job.json").read_text())
+    del data["compiler_args"]
+    (tmp_path / "job.json").write_text(json.dumps(data))
+    request = TraceRequest(CheckpointRef(tiny_dir, "model."), job.shape)
+    argv = [sys.executable, "-m", "pipeline.backends.neuron_rank", str(tmp_path / "job.json"),
+            str(tmp_path / "result.json")]
+    with pytest.raises(BuildError, match=r"the compile failed: BuildError: .*job.json is not a valid neuron compile "
+                       r"job:\n  - missing field compiler_args"):
+        run_isolated(argv, tmp_path / "result.json", "the compile", request)
+
+
 def test_failure_text_is_classified():
-    assert classify_failure("INFO:Neuron:Compile command returned: -9") == "host_oom"
-    assert classify_failure("neuronx-cc exited with code -9") == "host_oom"
-    assert classify_failure("Killed") == "host_oom"
-    assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") == "device_oom"
-    assert classify_failure("ERROR NCC_EOOM001") == "device_oom"
+    assert classify_failure("INFO:Neuron:Compile command returned: -9") is OutOfMemory.host_oom
+    assert classify_failure("neuronx-cc exited with code -9") is OutOfMemory.host_oom
+    assert classify_failure("Killed") is OutOfMemory.host_oom
+    assert classify_failure("TDRV:dmem_alloc_internal Failed to alloc DEVICE memory") is OutOfMemory.device_oom
+    assert classify_failure("ERROR NCC_EOOM001") is OutOfMemory.device_oom
     assert classify_failure("returned: -90 lines") is None and classify_failure("shape mismatch") is None
 
 

@@ -24,11 +24,11 @@ import torch
 from pipeline.backends import neuron_sdk
 from pipeline.backends.aliased_rank import AliasedRank
 from pipeline.backends.base import example_inputs
+from pipeline.backends.neuron_job import make_job
 from pipeline.backends.neuron_rank import (
     compiler_arg_string,
     effective_compiler_args,
     full_checkpoint,
-    make_job,
     model_builder_flags,
     model_builder_plan,
     router_key,

@@ -293,7 +293,7 @@ def rank_on_device(xla_rank_module, tiny_dir):
 
 def test_the_unbroken_rank_passes_every_check(xla_rank_module, rank_on_device):
     found = xla_rank_module.run_checks(*rank_on_device)
-    assert found["compiles_after_warm_up"] == 0 and found["host_fallbacks"] == []
+    assert found.compiles_after_warm_up == 0 and found.host_fallbacks == []
 
 
 def test_a_graph_that_changes_every_step_is_refused(xla_rank_module, rank_on_device, monkeypatch):

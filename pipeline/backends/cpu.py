@@ -20,13 +20,24 @@ import multiprocessing as mp
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends.base import TraceRequest, check_request, example_inputs
-from pipeline.backends.ranks import ProcessRunner, report_failure, serve_commands, trace_in_processes, trace_result
+from pipeline.backends.ranks import (
+    ProcessRunner,
+    ServeJob,
+    Traced,
+    TracedRank,
+    TraceJob,
+    report_failure,
+    serve_commands,
+    trace_in_processes,
+    trace_result,
+)
 from pipeline.backends.torchscript import save as save_torchscript
 from pipeline.core.build_records import ToolchainRecord, TraceResult
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
@@ -57,7 +68,14 @@ def _init_group(rank: int, tp_degree: int, init_file: str) -> None:
 
 # -- rank processes -------------------------------------------------------------------------------------------------
 
-def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
+@dataclass(frozen=True)
+class CpuTracedRank(TracedRank):
+    """A rank this backend traced: also the time it took to slice and build it (``load_s``)."""
+
+    load_s: float
+
+
+def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank:
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.model import build_rank
     from pipeline.recipe.parallel import Parallel
@@ -84,15 +102,9 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> dict:
         # No copy of the archive in memory; then without its debug records: the same bytes from any checkout,
         # environment or host.
         save_torchscript(traced, path)
-    return {
-        "rank": rank,
-        "load_s": round(loaded - started, 3),
-        "trace_s": round(time.monotonic() - loaded, 3),
-        "peak_rss_bytes": peak_rss_bytes(),
-        "file": path.name,
-        "size": path.stat().st_size,
-        "sha256": sha256_file(path),
-    }
+    return CpuTracedRank(rank=rank, file=path.name, size=path.stat().st_size, sha256=sha256_file(path),
+                         peak_rss_bytes=peak_rss_bytes(), trace_s=round(time.monotonic() - loaded, 3),
+                         load_s=round(loaded - started, 3))
 
 
 def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
@@ -117,17 +129,17 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
     serve_commands(conn, rank, step, seed, reset)
 
 
-def _rank_main(rank: int, tp_degree: int, init_file: str, job: tuple, conn) -> None:
+def _rank_main(rank: int, tp_degree: int, init_file: str, job: TraceJob | ServeJob, conn) -> None:
     die_with_parent(parent=mp.parent_process().pid)  # never outlive a parent killed with SIGKILL
     setup_logging()
     relay_output(f"pipeline.rank{rank}")  # gloo prints its connection lines on the command's standard output
     try:
         torch.set_num_threads(_threads_per_rank(tp_degree))
         _init_group(rank, tp_degree, init_file)
-        if job[0] == "trace":
-            conn.send(("ok", _trace_rank(rank, job[1], job[2])))
+        if isinstance(job, TraceJob):
+            conn.send(Traced((_trace_rank(rank, job.request, job.out_dir),)))
         else:
-            _serve_rank(rank, job[1], conn)
+            _serve_rank(rank, job.build, conn)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         report_failure(conn, exc)
     finally:
@@ -171,4 +183,4 @@ class CpuBackend:
         return trace_result(ranks, request.shape, started, {"group_name": GROUP_NAME, **self.compiler_info()})
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> ProcessRunner:
-        return ProcessRunner(require_verified(build), shape, target=_rank_main, job=("serve", build))
+        return ProcessRunner(require_verified(build), shape, target=_rank_main)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -53,10 +52,12 @@ from pipeline.backends import neuron_memory, neuron_sdk
 from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import RankRunner, TraceRequest, check_request
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
+from pipeline.backends.neuron_job import CompileResult, make_job
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.build_records import Member, ToolchainRecord, TraceResult
+from pipeline.core.choices import StrEnum
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
-from pipeline.core.fsutil import read_json, sha256_file, staged_dir
+from pipeline.core.fsutil import sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape, rank_members
 from pipeline.core.units import visible_cores_problems
@@ -89,13 +90,21 @@ def neuronx_cc_release(toolchain: ToolchainRecord) -> str | None:
     return release_part(toolchain.neuronx_cc.version) or toolchain.version("neuronx-cc")
 
 
-def classify_failure(text: str) -> str | None:
-    """``host_oom`` (the compiler was killed, almost always by the out-of-memory killer), ``device_oom`` (the graph
-    does not fit a NeuronCore's memory), or None."""
+class OutOfMemory(StrEnum):
+    """Which memory a failed compile ran out of."""
+
+    host_oom = "host_oom"
+    """The compiler was killed, almost always by the out-of-memory killer."""
+    device_oom = "device_oom"
+    """The graph does not fit a NeuronCore's memory."""
+
+
+def classify_failure(text: str) -> OutOfMemory | None:
+    """The memory a compile's failure ``text`` shows it ran out of, or None."""
     if DEVICE_OOM_RE.search(text):
-        return "device_oom"
+        return OutOfMemory.device_oom
     if HOST_OOM_RE.search(text):
-        return "host_oom"
+        return OutOfMemory.host_oom
     return None
 
 
@@ -270,8 +279,8 @@ def state_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 # -- running the compile in its own process group ----------------------------------------------------------------------
 
 def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRequest,
-                 env: dict | None = None, cwd: Path | None = None) -> tuple[dict, int]:
-    """Run ``argv`` in a new session; return ``(its result JSON, the peak RSS of its largest process)``.
+                 env: dict | None = None, cwd: Path | None = None) -> tuple[CompileResult, int]:
+    """Run ``argv`` in a new session; return ``(the CompileResult it wrote, the peak RSS of its largest process)``.
 
     An interruption of this process kills the whole group (the compiler processes included). A SIGKILL of the child
     becomes an out-of-memory report with the preflight's figures; a failure whose text shows a killed compiler too.
@@ -294,21 +303,28 @@ def run_isolated(argv: list[str], result_path: Path, what: str, request: TraceRe
     peak = usage.ru_maxrss * 1024
     if code == -signal.SIGKILL:
         raise BuildError(oom_message(what, request.host, request.need))
-    try:
-        result = read_json(result_path)
-    except (OSError, ValueError):
-        raise BuildError(f"{what} exited with code {code} without a result") from None
-    if not result.get("ok"):
-        error = result.get("error", "unknown error")
-        kind = classify_failure(error + "\n" + result.get("traceback", ""))
-        if kind == "host_oom":
-            raise BuildError(oom_message(what, request.host, request.need) + f"\nThe compiler said: {error}")
-        if kind == "device_oom":
-            raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
-                             "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
-        kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept under {cwd}" if cwd else ""
-        raise BuildError(f"{what} failed: {error}\n{result.get('traceback', '')}{kept}")
+    if not Path(result_path).is_file():
+        raise BuildError(f"{what} exited with code {code} without a result")
+    result = CompileResult.read(result_path)
+    if not result.ok:
+        raise_failure(result, what, request, cwd)
     return result, peak
+
+
+def raise_failure(result: CompileResult, what: str, request: TraceRequest, cwd: Path | None) -> None:
+    """The compile's failure as the ``BuildError`` that says what it was: the host's memory, a NeuronCore's, or
+    anything else (with the traceback, and where the compiler's logs are kept)."""
+    from pipeline.host.preflight import oom_message
+
+    error, trace = result.error, result.traceback or ""
+    kind = classify_failure(error + "\n" + trace)
+    if kind is OutOfMemory.host_oom:
+        raise BuildError(oom_message(what, request.host, request.need) + f"\nThe compiler said: {error}")
+    if kind is OutOfMemory.device_oom:
+        raise BuildError(f"{what}: the graph does not fit a NeuronCore's memory ({error}); this is device memory, "
+                         "not host RAM: lower variant.kv_max or variant.bucket, or raise variant.tp_degree")
+    kept = f"\nThe compiler's work files and logs (log-neuron-cc.txt) are kept under {cwd}" if cwd else ""
+    raise BuildError(f"{what} failed: {error}\n{trace}{kept}")
 
 
 # -- the backend ------------------------------------------------------------------------------------------------------
@@ -354,7 +370,7 @@ class NeuronBackend:
             raise BuildError(reason)
 
     def trace(self, request: TraceRequest, out_dir: Path) -> TraceResult:
-        from pipeline.backends.neuron_rank import effective_compiler_args, make_job
+        from pipeline.backends.neuron_rank import effective_compiler_args
 
         shape = request.shape
         self.check(request)
@@ -363,9 +379,8 @@ class NeuronBackend:
         started = time.monotonic()
         with staged_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="gemma4-neuron-trace-") as scratch:
             job_path, result_path = Path(scratch) / "job.json", Path(scratch) / "result.json"
-            job = make_job(request.checkpoint, shape, list(request.compiler_args), tmp, workdir, request.max_parallel,
-                           request.compile_cache_dir)
-            job_path.write_text(json.dumps(job))
+            make_job(request.checkpoint, shape, list(request.compiler_args), tmp, workdir, request.max_parallel,
+                     request.compile_cache_dir).write(job_path)
             what = f"the neuron compile of {out_dir.parent.name}"
             with contextlib.ExitStack() as held:
                 if shape.prefill == "host":
@@ -397,13 +412,13 @@ class NeuronBackend:
             "api": "ModelBuilder" if shape.prefill == "device" else "parallel_model_trace",
             "entries": list(shape.entries),
             "wall_s": round(time.monotonic() - started, 3),
-            "compile_s": result["seconds"],
+            "compile_s": result.seconds,
             "max_parallel": request.max_parallel,
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
             "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args)),
-            "compiler_flags": passed_flags(result.get("compiler_flags", {}), workdir),
-            "compile_cache": compile_cache(result.get("compiler_flags", {}), commands),
+            "compiler_flags": passed_flags(result.compiler_flags, workdir),
+            "compile_cache": compile_cache(result.compiler_flags, commands),
             "compiler_commands": commands,
             "sdk_added_args": sdk_added_args(commands, list(request.compiler_args)),
             "workdir_bytes": workdir_bytes,

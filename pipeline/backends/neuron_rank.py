@@ -21,28 +21,27 @@ ModelBuilder plan.
 
 ``python -m pipeline.backends.neuron_rank JOB.json RESULT.json`` runs one trace (the neuron backend starts it in its
 own process group, so an out-of-memory kill or an interruption takes down the compiler with it and nothing else).
-Writes the rank files into the job's ``out_dir`` and the outcome into RESULT.json.
+Reads its ``NeuronJob`` from JOB.json; writes the rank files into the job's ``out_dir`` and its ``CompileResult`` into
+RESULT.json (both records: pipeline/backends/neuron_job.py).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shlex
 import signal
 import sys
 import time
-import traceback
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from pipeline.backends.aliased_rank import AliasedRank
-from pipeline.backends.base import CheckpointRef, example_inputs
+from pipeline.backends.base import example_inputs
+from pipeline.backends.neuron_job import CompileResult, NeuronJob
 from pipeline.backends.torchscript import save as save_torchscript
 from pipeline.core.fsutil import reporting_full_disk
 from pipeline.core.shape import BuildShape
@@ -107,39 +106,17 @@ class NeuronParallel(Parallel):
         return head(in_features, vocab, bias=False, gather_output=True, dtype=dtype)
 
 
-# -- jobs: what the trace process is asked to do (JSON, so it crosses the process boundary plainly) -----------------
-
-def make_job(checkpoint: CheckpointRef, shape: BuildShape, compiler_args: list[str], out_dir: Path, workdir: Path,
-             max_parallel: int, compile_cache_dir: str | None) -> dict:
-    return {
-        "checkpoint": {"directory": str(checkpoint.directory), "text_prefix": checkpoint.text_prefix,
-                       "head_key": checkpoint.head_key},
-        "shape": {f.name: getattr(shape, f.name) for f in fields(BuildShape)},
-        "compiler_args": list(compiler_args),
-        # Absolute: the compile runs in its work directory, not where the stage was started.
-        "out_dir": str(Path(out_dir).resolve()),
-        "workdir": str(Path(workdir).resolve()),
-        "max_parallel": max_parallel,
-        "compile_cache_dir": compile_cache_dir,
-    }
-
-
-def job_shape(job: dict) -> BuildShape:
-    return BuildShape(**job["shape"])
-
-
-def job_checkpoint(job: dict):
+def job_checkpoint(job: NeuronJob):
     from pipeline.recipe.checkpoint import Checkpoint
 
-    c = job["checkpoint"]
-    return Checkpoint(c["directory"], c["text_prefix"], c["head_key"])
+    return Checkpoint(job.checkpoint.directory, job.checkpoint.text_prefix, job.checkpoint.head_key)
 
 
 def _layer_scalars(ckpt, spec) -> dict[int, torch.Tensor]:
     return {layer.index: ckpt.read(f"layers.{layer.index}.layer_scalar", spec).float() for layer in spec.layers}
 
 
-def build_aliased_rank(job: dict, rank: int | None) -> AliasedRank:
+def build_aliased_rank(job: NeuronJob, rank: int | None) -> AliasedRank:
     """The rank module on neuronx-distributed's layers.
 
     ``rank`` given (host prefill): every weight of that rank, sliced from the safetensors files, copied in.
@@ -151,8 +128,8 @@ def build_aliased_rank(job: dict, rank: int | None) -> AliasedRank:
     from pipeline.recipe.plan import ShardPlan, load_rank_state
     from pipeline.recipe.spec import load_spec
 
-    shape = job_shape(job)
-    spec = load_spec(job["checkpoint"]["directory"])
+    shape = job.shape
+    spec = load_spec(job.checkpoint.directory)
     plan = ShardPlan(spec, shape.tp_degree)
     decoder = RankDecoder(spec, plan, NeuronParallel(shape.tp_degree), shape.kv_max, shape.torch_dtype)
     with job_checkpoint(job) as ckpt:
@@ -184,7 +161,7 @@ def copy_state(decoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
             targets[name].copy_(tensor)
 
 
-def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
+def full_checkpoint(job: NeuronJob) -> dict[str, torch.Tensor]:
     """ModelBuilder's checkpoint: every rank-side tensor of ``AliasedRank.state_dict()`` at full size and in its
     dtype, the ``layer_scalar`` buffers (fp32) included. NxD keeps every state_dict key it is given and passes a
     key it does not shard whole to each rank (v2.28.0 trace/trace.py ``preprocess_checkpoint`` ~628-644,
@@ -200,14 +177,14 @@ def full_checkpoint(job: dict) -> dict[str, torch.Tensor]:
     from pipeline.recipe.plan import ShardPlan, load_rank_state
     from pipeline.recipe.spec import load_spec
 
-    shape = job_shape(job)
-    spec = load_spec(job["checkpoint"]["directory"])
+    shape = job.shape
+    spec = load_spec(job.checkpoint.directory)
     with job_checkpoint(job) as ckpt:
         whole = load_rank_state(ckpt, ShardPlan(spec, 1), 0, shape.torch_dtype)
     return {"decoder." + name: tensor for name, tensor in whole.items()}
 
 
-def host_prefill_rank(job: dict) -> tuple[nn.Module, dict]:
+def host_prefill_rank(job: NeuronJob) -> tuple[nn.Module, dict]:
     """``parallel_model_trace``'s ``func``: called in each rank process, under its tensor-parallel rank."""
     from neuronx_distributed.parallel_layers import parallel_state
 
@@ -220,7 +197,7 @@ class RankInstance:
     ``get(bucket_rank) -> (module, input_output_aliases)``). One instance serves both keys; ModelBuilder rebuilds the
     module for each, and the aliases must name the parameters of the module just built."""
 
-    def __init__(self, job: dict):
+    def __init__(self, job: NeuronJob):
         self.job = job
         self.module: AliasedRank | None = None
 
@@ -272,32 +249,32 @@ def effective_compiler_args(shape: BuildShape, args: list[str]) -> list[str]:
 
 # -- the two trace paths ----------------------------------------------------------------------------------------------
 
-def trace_host_prefill(job: dict) -> None:
+def trace_host_prefill(job: NeuronJob) -> None:
     from neuronx_distributed.trace import parallel_model_save, parallel_model_trace
 
     from pipeline.recipe.spec import load_spec
 
-    shape = job_shape(job)
-    spec = load_spec(job["checkpoint"]["directory"])
+    shape = job.shape
+    spec = load_spec(job.checkpoint.directory)
     model = parallel_model_trace(
         functools.partial(host_prefill_rank, job),
         example_inputs(spec, 1),
-        compiler_workdir=job["workdir"],
-        compiler_args=list(job["compiler_args"]),
+        compiler_workdir=job.workdir,
+        compiler_args=list(job.compiler_args),
         tp_degree=shape.tp_degree,
-        max_parallel_compilations=job["max_parallel"] or None,
+        max_parallel_compilations=job.max_parallel or None,
     )
-    parallel_model_save(model, job["out_dir"])
+    parallel_model_save(model, job.out_dir)
 
 
-def trace_device_prefill(job: dict) -> dict[str, str]:
+def trace_device_prefill(job: NeuronJob) -> dict[str, str]:
     """ModelBuilder's build of both graphs, saved as ``model.pt``; returns the compiler flags NxD passed per bucket."""
     from neuronx_distributed.trace.model_builder import ModelBuilder
 
     from pipeline.recipe.spec import load_spec
 
-    shape = job_shape(job)
-    spec = load_spec(job["checkpoint"]["directory"])
+    shape = job.shape
+    spec = load_spec(job.checkpoint.directory)
     # A folder of its own inside the work directory, never the work directory itself: ModelBuilder.trace deletes its
     # compiler_workdir first (NxD v2.28.0 trace/model_builder.py:543-545), and the work directory is this process's
     # current directory, where the compiler processes it starts run (they inherit it).
@@ -311,14 +288,14 @@ def trace_device_prefill(job: dict) -> dict[str, str]:
         return flags
 
     builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
-        full_checkpoint, job), compiler_workdir=str(Path(job["workdir"]) / MODEL_BUILDER_DIR),
+        full_checkpoint, job), compiler_workdir=str(Path(job.workdir) / MODEL_BUILDER_DIR),
         compiler_flag_hook=record_flags)
     instance = RankInstance(job)
     for key, tokens in model_builder_plan(shape):
         builder.add(key, instance, [example_inputs(spec, tokens)],
-                    compiler_args=compiler_arg_string(job["compiler_args"]))
+                    compiler_args=compiler_arg_string(list(job.compiler_args)))
     traced = builder.trace(initialize_model_weights=True)
-    path = Path(job["out_dir"]) / NXD_MODEL_FILE
+    path = Path(job.out_dir) / NXD_MODEL_FILE
     # Record by record (to a file object, torch.jit.save builds the whole archive in memory first: both ranks'
     # weights, 9.4 GB at E4B's bf16), after checking the disk can hold it; the stage strips its debug records once
     # the work files are gone.
@@ -338,28 +315,26 @@ def stop_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from pipeline.core.fsutil import atomic_write_json
     from pipeline.core.log import setup
     from pipeline.host.procinfo import peak_rss_bytes
 
     setup()  # the SDK's own log lines in the pipeline's format, beside the stage's on its standard error
     stop_with_parent()
-    job = json.loads(Path(argv[0]).read_text())
-    if job.get("compile_cache_dir"):
-        os.environ["NEURON_COMPILE_CACHE_URL"] = job["compile_cache_dir"]
     started = time.monotonic()
     try:
-        if job_shape(job).prefill == "host":
+        job = NeuronJob.read(argv[0])  # a refused job is reported like any failure: in RESULT.json
+        if job.compile_cache_dir:
+            os.environ["NEURON_COMPILE_CACHE_URL"] = job.compile_cache_dir
+        if job.shape.prefill == "host":
             trace_host_prefill(job)
             passed = {}  # parallel_model_trace takes no flag hook: its flags are read from the compiler's log alone
         else:
             passed = trace_device_prefill(job)
-        result = {"ok": True, "seconds": round(time.monotonic() - started, 3), "peak_rss_bytes": peak_rss_bytes(),
-                  "compiler_flags": passed}
+        result = CompileResult.succeeded(round(time.monotonic() - started, 3), peak_rss_bytes(), passed)
     except BaseException as exc:  # noqa: BLE001 - reported to the stage process, which raises
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    atomic_write_json(argv[1], result)
-    return 0 if result["ok"] else 1
+        result = CompileResult.failed(exc)
+    result.write(argv[1])
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 The backends that run their ranks in processes of their own use it as peers, each with its own process main: the cpu
 backend (one process per rank, real gloo collectives) and the xla backend (one process holding every rank). A process
-main is called as ``target(rank, processes, init_file, job, conn)``; ``job`` says what to do: ``("trace", request,
-out_dir)`` (reply: the rank's record, or a list of them) or ``("serve", build, ...)``, after which the process answers
-the runner's commands (``serve_commands``) until it is told to close.
+main is called as ``target(rank, processes, init_file, job, conn)``; ``job`` says what to do: a ``TraceJob`` (reply:
+``Traced``, the records of the ranks it traced) or a ``ServeJob``, after which the process answers the runner's
+commands (``serve_commands``: ``Step``, ``Seed``, ``Reset``, ``Stats``, ``Close``) until it is told to close. Every
+message is a frozen dataclass of this module, whose type says what it is; a failure is ``Failed``.
 
-Tensors cross the pipes by value (``pack``/``unpack``): torch's shared-memory reduction costs more than it saves for
+Tensors cross the pipes by value (``PackedTensor``): torch's shared-memory reduction costs more than it saves for
 per-token inputs. Any process's failure stops them all, and is raised in the parent naming the rank; a process the
 kernel killed (SIGKILL, the out-of-memory killer) is reported with the preflight's memory figures.
 
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -32,49 +34,154 @@ from pipeline.backends.base import RankRunner, TraceRequest
 from pipeline.core.build_records import Member, TraceResult
 from pipeline.core.errors import BuildError, IntegrityError, PipelineError
 from pipeline.core.fsutil import staged_dir
+from pipeline.core.records import encode
 from pipeline.core.shape import BuildShape, rank_members
 from pipeline.host.procinfo import peak_rss_bytes
 
-# -- tensors over pipes ---------------------------------------------------------------------------------------------
+# -- messages over the pipes (pickled: module-level, so the rank processes import them) ----------------------------
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A tensor by value: its dtype's name, its shape and its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> PackedTensor:
+        t = t.detach().contiguous()
+        return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes())
+
+    def tensor(self) -> torch.Tensor:
+        flat = (torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data
+                else torch.empty(0, dtype=torch.uint8))
+        return flat.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
-def pack(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
-    t = t.detach().contiguous()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+@dataclass(frozen=True)
+class TraceJob:
+    """Trace ``request``'s ranks into ``out_dir``; the process replies ``Traced``."""
+
+    request: TraceRequest
+    out_dir: str
 
 
-def unpack(packed: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
-    dtype, shape, data = packed
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).reshape(shape)
+@dataclass(frozen=True)
+class ServeJob:
+    """Load ``build``'s ranks and answer the runner's commands until ``Close``."""
+
+    build: VerifiedBuild
+    shape: BuildShape
+
+
+@dataclass(frozen=True)
+class TracedRank:
+    """One rank a process traced: its file and its figures, recorded in build.json's ``trace.ranks`` (a backend's
+    subclass adds its own)."""
+
+    rank: int
+    file: str
+    size: int
+    sha256: str
+    peak_rss_bytes: int
+    trace_s: float
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A trace process's reply: the ranks it traced (one, or every rank of the build)."""
+
+    ranks: tuple[TracedRank, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Run the entry point ``entry`` (``prefill`` or ``decode``) on ``inputs``; replies ``Stepped``."""
+
+    entry: str
+    inputs: tuple[PackedTensor, ...]
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A step done: the rank's time inside the graph, and (rank 0 only) the logits and the greedy token."""
+
+    seconds: float
+    logits: PackedTensor | None = None
+    token: PackedTensor | None = None
+
+
+@dataclass(frozen=True)
+class Seed:
+    """Write these host-computed caches into the rank's KV state; replies ``Done``."""
+
+    caches: tuple[PackedTensor, ...]
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Zero the rank's KV state; replies ``Done``."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Ask for the rank's figures; replies ``RankStats``."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Stop answering; replies ``Done``, then the process ends."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """A command carried out."""
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A rank's figures: sent once it is loaded (ready), and for ``Stats``."""
+
+    rank: int
+    peak_rss_bytes: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A process's failure, as the parent raises it."""
+
+    report: str
 
 
 # -- a rank process's side ------------------------------------------------------------------------------------------
 
 def serve_commands(conn, rank: int, step, seed, reset) -> None:
-    """A loaded rank's side of the runner's protocol, until it says close: ``step(entry, inputs) -> (logits,
+    """A loaded rank's side of the runner's protocol, until it says ``Close``: ``step(entry, inputs) -> (logits,
     token)``, ``seed(caches)``, ``reset()``. Rank 0 sends its outputs back; every rank its time inside the graph."""
-    conn.send(("ready", {"rank": rank, "peak_rss_bytes": peak_rss_bytes()}))
+    conn.send(RankStats(rank, peak_rss_bytes()))
     while True:
-        command, payload = conn.recv()
-        if command == "step":
-            entry, packed = payload
-            inputs = [unpack(p) for p in packed]
+        command = conn.recv()
+        if isinstance(command, Step):
+            inputs = [p.tensor() for p in command.inputs]
             started = time.perf_counter()
-            logits, token = step(entry, inputs)
+            logits, token = step(command.entry, inputs)
             elapsed = time.perf_counter() - started
-            conn.send(("ok", (pack(logits), pack(token), elapsed) if rank == 0 else elapsed))
-        elif command == "seed":
-            seed([unpack(p) for p in payload])
-            conn.send(("ok", None))
-        elif command == "reset":
+            conn.send(Stepped(elapsed, PackedTensor.of(logits), PackedTensor.of(token)) if rank == 0 else
+                      Stepped(elapsed))
+        elif isinstance(command, Seed):
+            seed([p.tensor() for p in command.caches])
+            conn.send(Done())
+        elif isinstance(command, Reset):
             reset()
-            conn.send(("ok", None))
-        elif command == "stats":
-            conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes()}))
-        elif command == "close":
-            conn.send(("ok", None))
+            conn.send(Done())
+        elif isinstance(command, Stats):
+            conn.send(RankStats(rank, peak_rss_bytes()))
+        elif isinstance(command, Close):
+            conn.send(Done())
             return
+        else:
+            raise TypeError(f"rank {rank} was sent {command!r}, which is not a command of the rank runtime")
 
 
 def report_failure(conn, exc: BaseException) -> None:
@@ -84,7 +191,7 @@ def report_failure(conn, exc: BaseException) -> None:
     if not isinstance(exc, PipelineError):
         report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     with contextlib.suppress(OSError):
-        conn.send(("error", report))
+        conn.send(Failed(report))
 
 
 # -- the parent's side ----------------------------------------------------------------------------------------------
@@ -107,7 +214,7 @@ class RankGroup:
     ``request`` (when tracing) carries the preflight's memory figures, quoted if a process is killed.
     """
 
-    def __init__(self, processes: int, job: tuple, target, request: TraceRequest | None = None):
+    def __init__(self, processes: int, job: TraceJob | ServeJob, target, request: TraceRequest | None = None):
         self.processes = processes
         self.request = request
         self._rendezvous = tempfile.mkdtemp(prefix="gemma4-gloo-")
@@ -139,14 +246,14 @@ class RankGroup:
                 if obj in pending:
                     rank = pending[obj]
                     try:
-                        status, payload = obj.recv()
+                        reply = obj.recv()
                     except EOFError:
                         closed.add(rank)  # the process died; its sentinel reports how
                         continue
-                    if status == "error":
+                    if isinstance(reply, Failed):
                         self.terminate()
-                        raise BuildError(f"rank {rank} failed: {payload}")
-                    replies[rank] = payload
+                        raise BuildError(f"rank {rank} failed: {reply.report}")
+                    replies[rank] = reply
                 elif obj in sentinels:
                     rank = sentinels[obj]
                     # A dead rank's last message may still be in its pipe: read that first. (poll() is also true
@@ -188,12 +295,12 @@ def describe_exit(rank: int, code: int | None, request: TraceRequest | None = No
 # -- tracing in processes -------------------------------------------------------------------------------------------
 
 def trace_in_processes(processes: int, request: TraceRequest, out_dir: Path, members: list[str],
-                       target) -> list[dict]:
+                       target) -> list[TracedRank]:
     """Run the trace job in ``processes`` spawned processes (``target``: their main) into a staging directory,
     renamed to ``out_dir`` only once every one succeeded and exactly ``members`` were written. Returns the rank
     records, in rank order (a process may report several ranks)."""
     with staged_dir(out_dir) as tmp:
-        group = RankGroup(processes, ("trace", request, str(tmp)), target, request)
+        group = RankGroup(processes, TraceJob(request, str(tmp)), target, request)
         try:
             replies = group.receive_all()
         except BaseException:
@@ -203,44 +310,43 @@ def trace_in_processes(processes: int, request: TraceRequest, out_dir: Path, mem
         found = sorted(p.name for p in tmp.iterdir())
         if found != sorted(members):
             raise BuildError(f"trace wrote {found}, expected exactly {members}")
-    return [rank for reply in replies for rank in (reply if isinstance(reply, list) else [reply])]
+    return [rank for reply in replies for rank in reply.ranks]
 
 
-def trace_result(ranks: list[dict], shape: BuildShape, started: float, account: dict) -> TraceResult:
+def trace_result(ranks: list[TracedRank], shape: BuildShape, started: float, account: dict) -> TraceResult:
     """What a backend whose processes each wrote ``tp_<rank>.pt`` traced: its rank records and its own ``account``
     (its compiler and versions)."""
     return TraceResult(
-        members=tuple(Member(r["file"], r["size"], r["sha256"]) for r in ranks),
+        members=tuple(Member(r.file, r.size, r.sha256) for r in ranks),
         layout="per_rank",
-        peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
-        details={"ranks": ranks, "wall_s": round(time.monotonic() - started, 3), "entries": list(shape.entries),
-                 **account},
+        peak_rss_bytes=max(r.peak_rss_bytes for r in ranks),
+        details={"ranks": [encode(r) for r in ranks], "wall_s": round(time.monotonic() - started, 3),
+                 "entries": list(shape.entries), **account},
     )
 
 
 # -- a loaded build -------------------------------------------------------------------------------------------------
 
 class ProcessRunner(RankRunner):
-    """A loaded build whose ranks run in processes of their own (``target``: their main, given ``job``), one per
-    rank, driven over pipes."""
+    """A loaded build whose ranks run in processes of their own (``target``: their main, given a ``ServeJob``), one
+    per rank, driven over pipes."""
 
-    def __init__(self, build: VerifiedBuild, shape: BuildShape, target, job: tuple):
+    def __init__(self, build: VerifiedBuild, shape: BuildShape, target):
         self.shape = shape
         started = time.monotonic()
         if sorted(m.path for m in build.members) != sorted(rank_members(shape.tp_degree)):
             raise IntegrityError(f"{build.directory} holds {[m.path for m in build.members]}, a tp_degree "
                                  f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
-        self.group = RankGroup(shape.tp_degree, job, target)
+        self.group = RankGroup(shape.tp_degree, ServeJob(build, shape), target)
         self.ready = self.group.receive_all(timeout=600)
         self.load_s = time.monotonic() - started
         self.compute_s: list[float] = []  # rank 0's time inside the graph, per call
 
     def _step(self, entry: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.send_all(("step", (entry, [pack(t) for t in inputs])))
-        replies = self.group.receive_all()
-        logits, token, elapsed = replies[0]
-        self.compute_s.append(elapsed)
-        return unpack(logits), unpack(token)
+        self.group.send_all(Step(entry, tuple(PackedTensor.of(t) for t in inputs)))
+        first = self.group.receive_all()[0]
+        self.compute_s.append(first.seconds)
+        return first.logits.tensor(), first.token.tensor()
 
     def prefill(self, embeds, per_layer_tokens, positions, last_index):
         if "prefill" not in self.shape.entries:
@@ -252,20 +358,20 @@ class ProcessRunner(RankRunner):
 
     def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
         for conn, caches in zip(self.group.conns, per_rank, strict=True):
-            conn.send(("seed", [pack(t) for t in caches]))
+            conn.send(Seed(tuple(PackedTensor.of(t) for t in caches)))
         self.group.receive_all()
 
     def reset(self) -> None:
-        self.group.send_all(("reset", None))
+        self.group.send_all(Reset())
         self.group.receive_all()
 
     def peak_rss_bytes(self) -> list[int]:
-        self.group.send_all(("stats", None))
-        return [r["peak_rss_bytes"] for r in self.group.receive_all()]
+        self.group.send_all(Stats())
+        return [r.peak_rss_bytes for r in self.group.receive_all()]
 
     def close(self) -> None:
         try:
-            self.group.send_all(("close", None))
+            self.group.send_all(Close())
             self.group.receive_all(timeout=30)
         except (BuildError, OSError):
             pass

@@ -243,7 +243,7 @@ BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
                  (*COMMON_BUILD_CODE, "backends/torchscript.py", "backends/cpu.py"), CPU_FACTORS),
     NeuronEntry("neuron", "pipeline.backends.neuron:NeuronBackend", NEURON_BUILD_PACKAGES,
                 (*COMMON_BUILD_CODE, "backends/torchscript.py", "backends/aliased_rank.py", "backends/neuron.py",
-                 "backends/neuron_rank.py"), NEURON_FACTORS,
+                 "backends/neuron_job.py", "backends/neuron_rank.py"), NEURON_FACTORS,
                 on_neuron_cores=True, neuronx_cc=True, hub_releases=True, needs_throughput_floor=True,
                 fits_by_neuron_release=True, timings_compare=True),
     XlaEntry("xla", "pipeline.backends.xla:XlaBackend", ("torch", "torch-xla"),

@@ -98,4 +98,4 @@ class XlaBackend:
         from pipeline.backends import xla_rank
 
         self.check_load(shape)
-        return ProcessRunner(require_verified(build), shape, target=xla_rank.main, job=("serve", build, shape))
+        return ProcessRunner(require_verified(build), shape, target=xla_rank.main)

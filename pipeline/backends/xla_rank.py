@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from pipeline.artifact.archive import VerifiedBuild
 from pipeline.backends import hlo
 from pipeline.backends.base import example_inputs
+from pipeline.backends.ranks import ServeJob, Traced, TracedRank, TraceJob, report_failure, serve_commands
 from pipeline.core.errors import BuildError, IntegrityError
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
 from pipeline.core.records import code_digest
@@ -212,7 +214,23 @@ def check_operators(graph: str, text: str) -> None:
 
 # -- what running the graphs shows (one rank) -------------------------------------------------------------------------
 
-def run_checks(module, spec, shape: BuildShape) -> dict:
+@dataclass(frozen=True)
+class GraphChecks:
+    """What running a rank's graphs showed (``run_checks``), or why they were not run (``executed`` false, ``why``)."""
+
+    executed: bool
+    why: str | None = None
+    compiles_at_warm_up: int | None = None
+    compiles_after_warm_up: int | None = None
+    steps_after_warm_up: int | None = None
+    host_fallbacks: list[str] | None = None
+    aliased_inputs_per_graph: list[int] | None = None
+    """One per compiled graph: how many of its inputs it updates in place."""
+    caches: int | None = None
+    steady_s: float | None = None
+
+
+def run_checks(module, spec, shape: BuildShape) -> GraphChecks:
     """Warm up every graph, then run more steps and another prefill: none may compile, fall back to the host, or copy
     a KV cache instead of updating it in place."""
     import torch_xla.debug.metrics as met
@@ -234,25 +252,26 @@ def run_checks(module, spec, shape: BuildShape) -> dict:
         step("prefill", 0)
     steady_s = time.perf_counter() - started
     caches = len(module.caches())
-    found = {
-        "compiles_at_warm_up": warm,
-        "compiles_after_warm_up": counter("UncachedCompile") - warm,
-        "steps_after_warm_up": WARM_DECODE_STEPS + ("prefill" in shape.entries),
-        "host_fallbacks": sorted(met.executed_fallback_ops()),
-        # one sample per compiled graph: how many of its inputs it updates in place
-        "aliased_inputs_per_graph": [int(v) for _, v in aliased[2]] if aliased else [],
-        "caches": caches,
-        "steady_s": round(steady_s, 3),
-    }
+    found = GraphChecks(
+        executed=True,
+        compiles_at_warm_up=warm,
+        compiles_after_warm_up=counter("UncachedCompile") - warm,
+        steps_after_warm_up=WARM_DECODE_STEPS + ("prefill" in shape.entries),
+        host_fallbacks=sorted(met.executed_fallback_ops()),
+        # one sample per compiled graph
+        aliased_inputs_per_graph=[int(v) for _, v in aliased[2]] if aliased else [],
+        caches=caches,
+        steady_s=round(steady_s, 3),
+    )
     problems = []
-    if found["compiles_after_warm_up"]:
-        problems.append(f"{found['compiles_after_warm_up']} compilation(s) after the warm-up: a shape or a Python "
+    if found.compiles_after_warm_up:
+        problems.append(f"{found.compiles_after_warm_up} compilation(s) after the warm-up: a shape or a Python "
                         "scalar changes from step to step, so the compiler would build a graph per step")
-    if found["host_fallbacks"]:
-        problems.append(f"operators run on the host instead of in the graph: {found['host_fallbacks']}")
-    if found["aliased_inputs_per_graph"] != [caches] * len(shape.entries):
+    if found.host_fallbacks:
+        problems.append(f"operators run on the host instead of in the graph: {found.host_fallbacks}")
+    if found.aliased_inputs_per_graph != [caches] * len(shape.entries):
         problems.append(f"each graph must update the {caches} KV caches in place (aliased to its outputs), found "
-                        f"{found['aliased_inputs_per_graph']} per graph: a cache is copied on every step")
+                        f"{found.aliased_inputs_per_graph} per graph: a cache is copied on every step")
     if problems:
         raise BuildError("the lowered graphs " + "; ".join(problems))
     return found
@@ -260,7 +279,17 @@ def run_checks(module, spec, shape: BuildShape) -> dict:
 
 # -- trace ------------------------------------------------------------------------------------------------------------
 
-def trace_ranks(checkpoint, shape: BuildShape, out_dir: Path) -> list[dict]:
+@dataclass(frozen=True)
+class XlaTracedRank(TracedRank):
+    """A rank this backend traced: also its graphs' records, how long each took to lower, and what running them
+    showed."""
+
+    graphs: dict[str, hlo.GraphRecord]
+    lower_s: dict[str, float]
+    checks: GraphChecks
+
+
+def trace_ranks(checkpoint, shape: BuildShape, out_dir: Path) -> list[XlaTracedRank]:
     """Lower (and with one rank, run) every rank's graphs; write ``tp_<rank>.pt``. One process, rank after rank."""
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.plan import ShardPlan, load_rank_state
@@ -285,9 +314,9 @@ def trace_ranks(checkpoint, shape: BuildShape, out_dir: Path) -> list[dict]:
             problems = collective_problems(module, graphs)
             if problems:
                 raise BuildError(f"rank {rank} at tp_degree {shape.tp_degree}: " + "; ".join(problems))
-            checks = {"executed": False, "why": TP_LIMIT}
+            checks = GraphChecks(executed=False, why=TP_LIMIT)
         else:
-            checks = {"executed": True, **run_checks(module, spec, shape)}
+            checks = run_checks(module, spec, shape)
         path = out_dir / f"tp_{rank}.pt"
         with reporting_full_disk(path, f"trace: rank {rank}"), open(path, "wb") as f:
             torch.save({"format": RANK_FORMAT, "config": configs(checkpoint.directory), "code": build_code_digest(),
@@ -296,9 +325,9 @@ def trace_ranks(checkpoint, shape: BuildShape, out_dir: Path) -> list[dict]:
             os.fsync(f.fileno())
         del module, state
         gc.collect()
-        ranks.append({"rank": rank, "file": path.name, "size": path.stat().st_size, "sha256": sha256_file(path),
-                      "graphs": {e: g.to_json() for e, g in graphs.items()}, "lower_s": lower_s, "checks": checks,
-                      "trace_s": round(time.monotonic() - started, 3), "peak_rss_bytes": peak_rss_bytes()})
+        ranks.append(XlaTracedRank(rank=rank, file=path.name, size=path.stat().st_size, sha256=sha256_file(path),
+                                   peak_rss_bytes=peak_rss_bytes(), trace_s=round(time.monotonic() - started, 3),
+                                   graphs=graphs, lower_s=lower_s, checks=checks))
     return ranks
 
 
@@ -367,18 +396,15 @@ class LoadedRank:
 
 def serve(build, shape: BuildShape, conn) -> None:
     """Load the build's one rank and answer the runner (the rank runtime's protocol) until it says close."""
-    from pipeline.backends.ranks import serve_commands
-
     rank = LoadedRank(read_rank(build, 0), shape)
     serve_commands(conn, 0, rank.step, rank.seed, rank.reset)
 
 
-def main(rank: int, processes: int, init_file: str, job: tuple, conn) -> None:
-    """The process's entry (``ranks.RankGroup``'s target): ``("trace", request, out_dir)`` or ``("serve", build,
-    shape)``. One process holds every rank (it lowers them one after the other)."""
+def main(rank: int, processes: int, init_file: str, job: TraceJob | ServeJob, conn) -> None:
+    """The process's entry (``ranks.RankGroup``'s target), given a ``TraceJob`` or a ``ServeJob``. One process holds
+    every rank (it lowers them one after the other)."""
     import multiprocessing as mp
 
-    from pipeline.backends.ranks import report_failure
     from pipeline.core.log import relay_output, setup
     from pipeline.host.procinfo import die_with_parent
 
@@ -386,12 +412,12 @@ def main(rank: int, processes: int, init_file: str, job: tuple, conn) -> None:
     setup()
     relay_output("pipeline.xla_ranks")  # the command's standard output is for its results
     try:
-        kind, first, second = job
-        shape = first.shape if kind == "trace" else second
-        set_environment(shape.tp_degree, debug=kind == "trace")  # the recipe lines are for the operator check
-        if kind == "trace":
-            conn.send(("ok", trace_ranks(first.checkpoint, shape, Path(second))))
+        tracing = isinstance(job, TraceJob)
+        shape = job.request.shape if tracing else job.shape
+        set_environment(shape.tp_degree, debug=tracing)  # the recipe lines are for the operator check
+        if tracing:
+            conn.send(Traced(tuple(trace_ranks(job.request.checkpoint, shape, Path(job.out_dir)))))
         else:
-            serve(first, shape, conn)
+            serve(job.build, shape, conn)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         report_failure(conn, exc)
