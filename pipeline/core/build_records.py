@@ -134,7 +134,7 @@ class FileDigest:
 
 @dataclass(frozen=True)
 class SpecSummary:
-    """The model's shape as model.json records it for a reader (recipe/spec.py ``ModelSpec.summary``)."""
+    """The model's shape as model.json records it for a reader (pipeline/stages/model.py, ``summary``)."""
 
     vocab_size: int
     hidden_size: int

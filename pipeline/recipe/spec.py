@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.build_records import SpecSummary
 from pipeline.core.errors import CheckpointError, UnsupportedModelError
 
 SLIDING = "sliding_attention"
@@ -97,13 +96,6 @@ class ModelSpec:
     @property
     def ple_embed_scale(self) -> float:
         return self.ple_dim**0.5
-
-    def summary(self) -> SpecSummary:
-        """What model.json records of it."""
-        return SpecSummary(self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.sliding_window,
-                           self.ple_dim, tuple(sorted({layer.head_dim for layer in self.layers})),
-                           tuple(sorted({layer.num_kv_heads for layer in self.layers})),
-                           tuple(layer.index for layer in self.producers), self.final_logit_softcapping)
 
     # -- checkpoint tensor layout (names relative to the text prefix, as in Gemma4TextModel) --------------------
 

@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from pipeline.core.build_records import FileDigest, ModelRecord
+from pipeline.core.build_records import FileDigest, ModelRecord, SpecSummary
 from pipeline.core.errors import CheckpointError, PipelineError, StaleInputError
 from pipeline.core.fsutil import link_or_copy, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.records import code_digest, encode, fingerprint
 from pipeline.paths import Paths, dvc_user_workspace
 from pipeline.recipe.checkpoint import Checkpoint
-from pipeline.recipe.spec import load_spec
+from pipeline.recipe.spec import ModelSpec, load_spec
 from pipeline.stages import StageResult, StageStatus, code_of
 
 
@@ -39,6 +39,14 @@ def source(cfg: PipelineConfig) -> dict:
 
         return {"source": "tiny", "tiny": asdict(m.tiny), "generator": code_digest("models")}
     return {"source": "hub", "hub_id": m.hub_id, "revision": m.revision, "allow_patterns": list(m.allow_patterns)}
+
+
+def summary(spec: ModelSpec) -> SpecSummary:
+    """What model.json records of the model's shape."""
+    return SpecSummary(spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_heads, spec.sliding_window,
+                       spec.ple_dim, tuple(sorted({layer.head_dim for layer in spec.layers})),
+                       tuple(sorted({layer.num_kv_heads for layer in spec.layers})),
+                       tuple(layer.index for layer in spec.producers), spec.final_logit_softcapping)
 
 
 def identity(cfg: PipelineConfig) -> dict:
@@ -98,7 +106,7 @@ def describe(cfg: PipelineConfig, weights: Path, fp: str, files: dict[str, FileD
         config_digest=files["config.json"].sha256,
         weights_digest=fingerprint({"files": encode(files)}),
         files=files,
-        spec=spec.summary(),
+        spec=summary(spec),
     )
 
 
