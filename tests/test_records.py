@@ -295,3 +295,75 @@ def test_a_variants_fields_are_declared_once_by_the_build_shape():
         hints = typing.get_type_hints(cls)
         assert {name: hints[name] for name in shape} == shape
         assert [f.name for f in fields(cls)] == [*shape, "name"]
+
+
+# Where a record keeps JSON it does not type, and why: nothing else may (issue 43).
+UNTYPED = {
+    "Manifest.validation": "the summary as the release that published it wrote it: pull reads any release's manifest "
+                           "(ValidationSummary reads it strictly where it is compared, Headline leniently for show)",
+    "BuildRecord.trace": "the backend's own account of its trace, whose schema is the backend's: a new backend "
+                         "brings its own without an edit here, and nothing is decided from it",
+}
+
+
+def _fields_of(cls, seen: set) -> list[tuple[str, object]]:
+    """Every field of the record ``cls`` and of the dataclasses it holds, as ``Class.field`` with its annotation."""
+    import dataclasses
+    import typing
+
+    if cls in seen or not dataclasses.is_dataclass(cls):
+        return []
+    seen.add(cls)
+    found = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        found.append((f"{cls.__name__}.{name}", hint))
+        for part in [hint, *typing.get_args(hint), *[a for arg in typing.get_args(hint)
+                                                     for a in typing.get_args(arg)]]:
+            found += _fields_of(part, seen)
+    return found
+
+
+def test_every_record_field_is_typed_but_the_two_kept_as_written():
+    """No record holds a dict of anything or an ``Any`` but the fields ``UNTYPED`` names; a dict keyed by data (a
+    path, a package, a context) holds typed values."""
+    import importlib
+    import typing
+
+    for module in ("pipeline.core.build_records", "pipeline.artifact.manifest", "pipeline.artifact.pulled",
+                   "pipeline.validation.records", "pipeline.publishing.index", "pipeline.publishing.trust",
+                   "pipeline.backends.neuron_job", "pipeline.summary", "pipeline.stages.publish"):
+        importlib.import_module(module)
+    seen: set = set()
+    loose = []
+    for cls in _records(records.Record):
+        for where, hint in _fields_of(cls, seen):
+            parts = [hint, *typing.get_args(hint), *[a for arg in typing.get_args(hint) for a in typing.get_args(arg)]]
+            if any(part is typing.Any or part is dict for part in parts) and where not in UNTYPED:
+                loose.append(f"{where}: {hint}")
+    assert not loose, "\n".join(loose)
+
+
+def _records(base) -> list:
+    return [c for sub in base.__subclasses__() for c in (sub, *_records(sub))]
+
+
+def test_a_regression_row_holds_a_verdict_or_a_figure_and_nothing_else():
+    """A row compares a verdict, a count or a figure (``bool | float``): each reads back as itself, a string is
+    refused naming the row's key."""
+    from pipeline.artifact.manifest import RegressionCheck, RegressionResult
+
+    from .helpers import a_manifest
+
+    rows = (RegressionCheck("parity passed", True, False, None, "must pass", False),
+            RegressionCheck("prompts matched", 3, 3, 0.0, ">= previous", True),
+            RegressionCheck("decode tokens/s", 36.5, 30.1, -0.1753, ">= 34.675", False))
+    manifest = a_manifest(regression=RegressionResult("v0", "f" * 64, True, rows, False, True))
+    again = Manifest.from_json(json.loads(json.dumps(manifest.to_json())), "a manifest")
+    assert again.regression.checks == rows and [type(r.previous) for r in again.regression.checks] == [bool, int, float]
+    broken = manifest.to_json()
+    broken["regression"]["checks"][2]["current"] = "30.1"
+    with pytest.raises(IntegrityError, match=r"field regression\.checks\[2\]\.current has the wrong type \(str; "
+                                             r"expected bool or float\)"):
+        Manifest.from_json(broken, "a manifest")

@@ -43,9 +43,9 @@ class RegressionCheck:
     """One row of the regression gate: a figure of the previous and of this version, the limit, and the verdict."""
 
     check: str
-    previous: Any
-    """A bool, a count or a figure, as the row compares it."""
-    current: Any
+    previous: bool | float
+    """A verdict, a count or a figure, as the row compares it."""
+    current: bool | float
     change: float | None
     """(current - previous) / previous, where both are numbers and previous is not 0."""
     limit: str

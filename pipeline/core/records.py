@@ -109,8 +109,17 @@ def _decode(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]  # records use ``X | None`` only
-        return _decode(inner, value, where, problems)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _decode(inner[0], value, where, problems)
+        for option in inner:  # a value of one of several kinds (``bool | float``): the first that reads it
+            found: list[str] = []
+            decoded = _decode(option, value, where, found)
+            if not found:
+                return decoded
+        kinds = " or ".join(getattr(a, "__name__", str(a)) for a in inner)
+        problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected {kinds})")
+        return value
     if origin is tuple:  # tuple[X, ...]: a JSON list, held immutable
         if not isinstance(value, list):
             problems.append(f"field {where} has the wrong type ({type(value).__name__}; expected a list)")
