@@ -250,17 +250,16 @@ def check_prompts_cover(cfg) -> None:
     spanning buckets: validate's own refusal, ``select_prompts``), so a derived kv_max or bucket they cannot validate
     (512_fp32+kv384) is refused before the hours of tracing, not after. Nothing to ask without a reference yet, or one
     made for other prompts (the reference stage makes it again, and validate asks then)."""
-    from pipeline.core.fsutil import read_json
     from pipeline.paths import Paths
+    from pipeline.validation.records import ReferenceRecord
     from pipeline.validation.worker import select_prompts
 
-    try:
-        record = read_json(Paths.of(cfg).reference)
-        names = [p["name"] for p in record["prompts"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    record = ReferenceRecord.read_if_valid(Paths.of(cfg).reference)
+    if record is None:  # none, or one this release cannot read: the reference stage makes it again
         return
-    if names == [p.name for p in cfg.validate.prompts] and record.get("max_new_tokens") == cfg.validate.max_new_tokens:
-        select_prompts(record["prompts"], cfg.variant.shape, record["max_new_tokens"], cfg.validate.prompt_names)
+    names = [p.name for p in record.prompts]
+    if names == [p.name for p in cfg.validate.prompts] and record.max_new_tokens == cfg.validate.max_new_tokens:
+        select_prompts(record.prompts, cfg.variant.shape, record.max_new_tokens, cfg.validate.prompt_names)
 
 
 def run_pipeline(cfg) -> list[StageResult]:

@@ -95,7 +95,7 @@ def test_every_decode_step_runs_with_the_threads_it_is_given(threads):
     before = torch.get_num_threads()
     gen = Generator(Runner(), embed, (7,), 0, decode_threads=threads)
     assert [s.token for s in gen.steps([1, 2, 3], 3)] == [3, 3, 3]
-    assert seen == [threads] * 3 and gen.threads["decode"] == threads and torch.get_num_threads() == before
+    assert seen == [threads] * 3 and gen.threads.decode == threads and torch.get_num_threads() == before
 
 
 # tp_degree 2 is what ships; tp_degree 1 (also run by the neuron stand-in's end-to-end tests) only in `make test-slow`.

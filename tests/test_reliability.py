@@ -362,14 +362,14 @@ MODEL_RECORD = ModelRecord(fingerprint="m" * 64, source_fingerprint="s" * 64, na
                            config_digest="c" * 64, weights_digest="w" * 64, files={}, spec={})
 TOOLCHAIN = ToolchainRecord(2, "cpu", {"torch": PackageVersion("2.13.0")}, NeuronxCcBuild(None, None), {})
 MANIFEST = a_manifest()
-REFERENCE = {"fingerprint": "r" * 64}
+REFERENCE_FP = "r" * 64
 
 
 def fingerprints(overrides: list[str]) -> tuple[str, str, str]:
     cfg = load_config(composed([f"+variant={VARIANT}", "backend=cpu", *overrides]), VARIANT)
     return (trace_stage.build_fingerprint(cfg, MODEL_RECORD, TOOLCHAIN, "cpu"),
             reference_stage.expected_fingerprint(cfg, MODEL_RECORD, []),
-            validate_stage.metrics_fingerprint(cfg, MANIFEST, REFERENCE, resolve_hardware(cfg.hardware.name)))
+            validate_stage.metrics_fingerprint(cfg, MANIFEST, REFERENCE_FP, resolve_hardware(cfg.hardware.name)))
 
 
 @functools.cache

@@ -234,11 +234,13 @@ def test_the_worker_reads_its_job_back_typed_as_the_stage_configured_it(project)
     from pipeline.config import ParityMode, ThroughputConfig
     from pipeline.stages import package
     from pipeline.stages import validate as validate_stage
+    from pipeline.validation.records import ReferenceRecord
     from pipeline.validation.worker import ValidationJob
 
     cfg = config(project, *FAST_VALIDATE, "validate.parity.bf16=teacher_forced",
                  "validate.parity.logits.tol_map.top5=[0.0,0.5]", "validate.throughput.floors.cpu.any.tokens_per_s=7")
-    job = validate_stage.worker_job(cfg, package.load(cfg), {"prompts": []}, [0])
+    reference = ReferenceRecord.read(Paths.of(cfg).reference)
+    job = validate_stage.worker_job(cfg, package.load(cfg), reference, [0])
     again = ValidationJob.from_json(json.loads(json.dumps(job.to_json())))
     assert again == job and isinstance(again.throughput, ThroughputConfig)
     assert again.parity.mode("bf16") is ParityMode.teacher_forced and again.parity.logits.tol_map["top5"] == [0.0, 0.5]
@@ -273,6 +275,17 @@ def test_the_failure_report_says_where_and_why(project, tmp_path, caplog):
     assert entry["prompt"] == "capital" and divergence["step"] == 0
     assert len(divergence["reference_top"]) == 5 and len(divergence["ours_top"]) == 5
     assert divergence["reference_after"] != divergence["ours_after"]
+    assert_writes_the_same_bytes(Paths.of(cfg).validation_report, tmp_path)
+
+
+def assert_writes_the_same_bytes(path: Path, tmp_path: Path) -> None:
+    """The validation record at ``path`` reads back typed (every prompt's verdict too) and writes the same bytes."""
+    from pipeline.validation.records import PromptVerdict, ValidationRecord
+
+    record = ValidationRecord.read(path)
+    assert all(isinstance(verdict, PromptVerdict) for verdict in record.prompts)
+    record.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
 
 
 @pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
@@ -282,6 +295,7 @@ def test_bf16_passes_on_its_logits(project, tmp_path):
     run(cfg)
     assert read_json(Paths.of(cfg).metrics)["parity"] == {"passed": True, "mode": "logits"}
     assert read_json(Paths.of(cfg).validation_report)["parity"]["teacher_forced_match"] >= 0.9
+    assert_writes_the_same_bytes(Paths.of(cfg).validation_report, tmp_path)  # the logits mode's verdicts
 
 
 def test_a_throughput_floor_fails_the_stage_with_a_table(project, tmp_path):
@@ -323,13 +337,34 @@ def test_a_crash_in_the_validation_process_could_not_run_and_shows_its_last_line
 
 @pytest.mark.parametrize("cls", [cls for cls in vars(errors).values()
                                  if isinstance(cls, type) and issubclass(cls, PipelineError)])
-def test_every_pipeline_error_is_raised_again_as_itself(cls):
+def test_every_pipeline_error_is_raised_again_as_itself(cls, tmp_path):
     """What the validation process writes about an error (RESULT.json) gives the stage the same class and message."""
+    from pipeline.core.records import encode
+    from pipeline.validation.records import WorkerFailure, WorkerResult
+
     exc = cls(["a problem", "another"]) if cls is errors.ConfigError else cls("parity failed: 3 of 5 prompts")
-    again = errors.from_record(json.loads(json.dumps(errors.to_record(exc))))
+    WorkerResult(failure=WorkerFailure(**errors.to_record(exc))).write(tmp_path / "result.json")
+    again = errors.from_record(encode(WorkerResult.read(tmp_path / "result.json").failure))
     assert type(again) is cls and str(again) == str(exc)
     assert getattr(again, "problems", None) == getattr(exc, "problems", None)
     assert errors.from_record(errors.to_record(ValueError("a bug"))) is None
+
+
+def test_the_validation_process_result_is_read_strictly():
+    """RESULT.json holds what the validation process measured or the error it raised, exactly one; anything else is
+    refused naming the key, as a stage and a validation process of different releases would write."""
+    from pipeline.validation.records import WorkerResult
+
+    failure = {"error_type": "ParityError", "error": "parity failed"}
+    for data, problem in (({}, r"it holds metrics or a failure, exactly one of them"),
+                          ({"ok": False, "failure": failure}, r"unknown field ok"),
+                          ({"failure": {"error_type": "ParityError"}}, r"missing field failure\.error"),
+                          ({"failure": failure | {"problems": "one"}},
+                           r"field failure\.problems has the wrong type \(str; expected a list\)")):
+        with pytest.raises(InputError, match=rf"^the validation process's result is not a valid validation "
+                                             rf"process's result:\n  - {problem}\nThe validation process is of "
+                                             r"another version of the pipeline than the stage: reinstall it$"):
+            WorkerResult.from_bytes(json.dumps(data).encode(), "the validation process's result")
 
 
 # -- bad input, refused before anything is loaded ---------------------------------------------------------------
@@ -352,6 +387,46 @@ def test_a_missing_reference_is_named(project, tmp_path):
         run(config(root, *FAST_VALIDATE), "validate")
 
 
+REFERENCE_KEYS = {"fingerprint", "model", "max_new_tokens", "top_k", "prompts", "logits_file", "versions",
+                  "eos_token_ids", "preflight"}
+PROMPT_KEYS = {"name", "max_tokens", "text", "input_ids", "output_ids", "stopped_on_eos", "dtype_noise"}
+
+BROKEN_REFERENCES = [
+    (lambda d: d.pop("top_k"), r"missing field top_k"),
+    (lambda d: d["prompts"][1].update(output_ids="many"),
+     r"field prompts\[1\]\.output_ids has the wrong type \(str; expected a list\)"),
+    (lambda d: d["prompts"][0]["dtype_noise"]["bf16"]["relative"].update(top7=0.1),
+     r"unknown field prompts\[0\]\.dtype_noise\.bf16\.relative\.top7"),
+]
+
+
+def test_the_reference_record_is_read_strictly_and_writes_the_same_bytes(project, tmp_path):
+    """reference.json is a typed record: what the reference stage wrote reads back and writes the same bytes; an
+    edited one is refused by validate naming the file, the key and the fix, and the reference stage makes it again."""
+    from pipeline.validation.records import ReferenceRecord
+
+    path = project / "gemma4_tiny" / "reference.json"
+    written = read_json(path)
+    assert set(written) == REFERENCE_KEYS and all(set(p) == PROMPT_KEYS for p in written["prompts"])
+    ReferenceRecord.read(path).write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+    root = clone_variant(project, tmp_path)
+    cfg = config(root, *FAST_VALIDATE)
+    edited = Paths.of(cfg).reference
+    for edit, problem in BROKEN_REFERENCES:
+        data = json.loads(json.dumps(written))
+        edit(data)
+        atomic_write_json(edited, data)
+        with pytest.raises(PipelineError, match=rf"^{edited} is not a valid reference record:\n  - {problem}\nIt was "
+                                                r"written by another release of the pipeline, or edited: run "
+                                                r"stage=reference force=true$"):
+            run(cfg, "validate")
+    assert run(cfg, "reference")[0].status == "ran"
+    again = ReferenceRecord.read(edited)  # the same reference again: nothing it depends on changed
+    assert again.fingerprint == written["fingerprint"] and [p.output_ids for p in again.prompts] == [
+        tuple(p["output_ids"]) for p in written["prompts"]]
+
+
 def test_a_stale_reference_is_named(project, tmp_path):
     root = clone_variant(project, tmp_path)
     cfg = config(root, *FAST_VALIDATE, "validate.prompts.1.max_tokens=50")
@@ -367,13 +442,13 @@ def test_a_stale_reference_is_named(project, tmp_path):
 def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     """A custom variant whose bucket no prompt comes near must get prompts added, not a vacuous pass."""
     from pipeline.core.shape import BuildShape
-    from pipeline.validation.records import Coverage
+    from pipeline.validation.records import Coverage, ReferenceRecord
     from pipeline.validation.worker import select_prompts
 
-    reference = read_json(project / "gemma4_tiny" / "reference.json")
+    prompts = ReferenceRecord.read(project / "gemma4_tiny" / "reference.json").prompts
     with pytest.raises(InputError, match="lack one between half a bucket and a bucket and one longer than two"):
-        select_prompts(reference["prompts"], BuildShape(2048, 1024, "fp32", "device", 2), 32, None)
-    chosen, coverage = select_prompts(reference["prompts"], BuildShape(512, 128, "fp32", "device", 2), 32, None)
+        select_prompts(prompts, BuildShape(2048, 1024, "fp32", "device", 2), 32, None)
+    chosen, coverage = select_prompts(prompts, BuildShape(512, 128, "fp32", "device", 2), 32, None)
     assert coverage == Coverage(near_bucket=("near_128",), multi_bucket=("near_512",))
     assert len(chosen) == 5
 
@@ -385,6 +460,7 @@ def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypa
     several times slower than the host allows. Each phase's thread count is seen from inside it."""
     from pipeline.core.shape import BuildShape
     from pipeline.validation import generation
+    from pipeline.validation.records import ThreadPolicy
 
     monkeypatch.setattr(generation, "usable_cpus", lambda: 7)
     seen: dict[str, list[int]] = {"prefill": [], "decode": []}
@@ -417,7 +493,7 @@ def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypa
     out = gen.generate([1, 2, 3], 4)
     assert out.tokens == [2, 3, 3, 3]
     assert seen == {"prefill": [7], "decode": [1, 1, 1]}
-    assert gen.threads == {"host_prefill": 7, "decode": 1, "usable_cpus": 7}
+    assert gen.threads == ThreadPolicy(host_prefill=7, decode=1, usable_cpus=7)
     assert torch.get_num_threads() == 1  # restored
 
 

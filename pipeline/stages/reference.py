@@ -3,9 +3,9 @@
 The reference is Hugging Face ``transformers`` on the CPU in fp32 with eager attention: none of the recipe's code.
 It is independent of the compiler, so compiler upgrades reuse it.
 
-Writes ``artifacts/<model>/reference.json`` (the prompts, their token ids, the reference's generated ids, versions,
-fingerprint) and ``reference.safetensors`` (per prompt: the top-``k`` logits in fp32 with their token ids, and every
-logit in fp16), so validation never reruns the float model.
+Writes ``artifacts/<model>/reference.json`` (``ReferenceRecord``, pipeline/validation/records.py: the prompts, their
+token ids, the reference's generated ids, versions, fingerprint) and ``reference.safetensors`` (per prompt: the
+top-``k`` logits in fp32 with their token ids, and every logit in fp16), so validation never reruns the float model.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from pipeline import __version__
 from pipeline.config import PipelineConfig
 from pipeline.core.build_records import ModelRecord
-from pipeline.core.errors import StaleInputError
-from pipeline.core.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from pipeline.core.errors import PipelineError, StaleInputError
+from pipeline.core.fsutil import atomic_write_bytes, sha256_file
 from pipeline.core.log import log, progress
-from pipeline.core.records import fingerprint, is_fresh, require_record
+from pipeline.core.records import fingerprint
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -29,6 +29,17 @@ from pipeline.stages import model as model_stage
 from pipeline.stages.toolchain import package_version
 from pipeline.validation.parity import logits_of
 from pipeline.validation.prompts import build_prompts
+from pipeline.validation.records import (
+    DtypeNoise,
+    LogitsFile,
+    Prompt,
+    ReferenceModel,
+    ReferencePeak,
+    ReferencePreflight,
+    ReferencePrompt,
+    ReferenceRecord,
+    ReferenceVersions,
+)
 
 TOP_K = 1000
 
@@ -102,10 +113,10 @@ def as_bf16(model):
     return model.to(torch.bfloat16)
 
 
-def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts: list[dict]) -> str:
+def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts: list[Prompt]) -> str:
     return fingerprint({
         "weights": model_record.weights_digest,
-        "prompts": [p["input_ids"] for p in prompts],
+        "prompts": [list(p.input_ids) for p in prompts],
         "max_new_tokens": cfg.validate.max_new_tokens,
         "top_k": TOP_K,
         "torch": package_version("torch"),
@@ -114,7 +125,7 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts
     })
 
 
-def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> dict:
+def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> DtypeNoise:
     """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32."""
     from pipeline.validation.parity import logit_errors
 
@@ -122,8 +133,8 @@ def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference
         out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits
     ours = out[0, len(prompt_ids) - 1:].float()
     errors = logit_errors(ours, reference, continuation)
-    return {"relative": errors.relative, "absolute": errors.absolute, "divergences": len(errors.divergences),
-            "steps": errors.steps}
+    return DtypeNoise(relative=errors.relative, absolute=errors.absolute, divergences=len(errors.divergences),
+                      steps=errors.steps)
 
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids, pad_id) -> tuple[list[int], torch.Tensor]:
@@ -144,7 +155,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     tokenizer = load_tokenizer(paths.weights)
     prompts = build_prompts(tokenizer, cfg.validate.prompts)
     fp = expected_fingerprint(cfg, model_record, prompts)
-    if not cfg.force and is_fresh(paths.reference, fp, [paths.reference_tensors]):
+    previous = ReferenceRecord.read_if_valid(paths.reference)
+    if not cfg.force and previous and previous.fingerprint == fp and paths.reference_tensors.exists():
         log.info("reference: up to date (%s)", paths.reference)
         return StageResult("reference", StageStatus.skipped)
     started = time.monotonic()
@@ -153,55 +165,60 @@ def run(cfg: PipelineConfig) -> StageResult:
     host = preflight.check(need, cfg.preflight)  # before a byte of the model is read
     log.info("reference: preflight passed (%s)", host.summary())
     model = load_float_model(paths.weights)
-    tensors, entries = {}, []
+    tensors, continuations = {}, []
     for i, prompt in enumerate(progress(prompts, desc="reference")):
-        ids, logits = generate(model, prompt["input_ids"], cfg.validate.max_new_tokens, spec.eos_token_ids,
+        ids, logits = generate(model, list(prompt.input_ids), cfg.validate.max_new_tokens, spec.eos_token_ids,
                                spec.pad_token_id)
         k = min(TOP_K, logits.shape[-1])
         top = logits.topk(k, dim=-1)
         tensors[f"{i}.topk_values"] = top.values.contiguous()
         tensors[f"{i}.topk_indices"] = top.indices.to(torch.int32).contiguous()
         tensors[f"{i}.logits"] = logits.to(torch.float16).contiguous()
-        entries.append({**prompt, "output_ids": ids, "stopped_on_eos": bool(ids and ids[-1] in spec.eos_token_ids)})
-        log.info("reference: %-10s %4d prompt tokens -> %d new tokens", prompt["name"], len(prompt["input_ids"]),
-                 len(ids))
+        continuations.append(ids)
+        log.info("reference: %-10s %4d prompt tokens -> %d new tokens", prompt.name, len(prompt.input_ids), len(ids))
     model = as_bf16(model)  # the same weights rounded: the dtype noise bf16 builds are judged against
-    for i, entry in enumerate(entries):
-        noise = dtype_noise(model, entry["input_ids"], entry["output_ids"], logits_of(tensors, i))
-        entry["dtype_noise"] = {"bf16": noise}
+    entries = tuple(
+        ReferencePrompt.of(prompt, ids, stopped_on_eos=bool(ids and ids[-1] in spec.eos_token_ids),
+                           dtype_noise={"bf16": dtype_noise(model, list(prompt.input_ids), ids, logits_of(tensors, i))})
+        for i, (prompt, ids) in enumerate(zip(prompts, continuations)))
     atomic_write_bytes(paths.reference_tensors, save(tensors, metadata={"format": "pt"}))
-    atomic_write_json(paths.reference, {
-        "fingerprint": fp,
-        "model": {"name": cfg.model.name, "weights_digest": model_record.weights_digest},
-        "max_new_tokens": cfg.validate.max_new_tokens,
-        "top_k": TOP_K,
-        "prompts": entries,
-        "logits_file": {"name": paths.reference_tensors.name, "sha256": sha256_file(paths.reference_tensors)},
-        "versions": {"torch": package_version("torch"), "transformers": package_version("transformers"),
-                     "pipeline": __version__},
-        "eos_token_ids": list(spec.eos_token_ids),
+    ReferenceRecord(
+        fingerprint=fp,
+        model=ReferenceModel(name=cfg.model.name, weights_digest=model_record.weights_digest),
+        max_new_tokens=cfg.validate.max_new_tokens,
+        top_k=TOP_K,
+        prompts=entries,
+        logits_file=LogitsFile(name=paths.reference_tensors.name, sha256=sha256_file(paths.reference_tensors)),
+        versions=ReferenceVersions(torch=package_version("torch"), transformers=package_version("transformers"),
+                                   pipeline=__version__),
+        eos_token_ids=tuple(spec.eos_token_ids),
         # what the estimate can be derived from again: the need beside this process's measured peak
-        "preflight": {"need": need.record(), "host": host.record(), "measured": {"peak_rss_bytes": peak_rss_bytes()}},
-    })
+        preflight=ReferencePreflight(need=need.record(), host=host.record(),
+                                     measured=ReferencePeak(peak_rss_bytes=peak_rss_bytes())),
+    ).write(paths.reference)
     return StageResult("reference", StageStatus.ran, time.monotonic() - started)
 
 
-def load(cfg: PipelineConfig) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The reference record and tensors; refuses a missing one, or one stale for the model or the prompts."""
+def load(cfg: PipelineConfig) -> tuple[ReferenceRecord, dict[str, torch.Tensor]]:
+    """The reference record (read strictly) and tensors; refuses a missing one, or one stale for the model or the
+    prompts."""
     from safetensors.torch import load_file
 
     paths = Paths.of(cfg)
-    record = require_record(paths.reference, "reference", paths.reference_tensors)
+    missing = [str(p) for p in (paths.reference, paths.reference_tensors) if not p.exists()]
+    if missing:
+        raise PipelineError(f"{', '.join(missing)} missing or unreadable: run stage=reference first")
+    record = ReferenceRecord.read(paths.reference)
     model_record = model_stage.load(cfg)
     prompts = build_prompts(load_tokenizer(paths.weights), cfg.validate.prompts)
-    if record.get("model", {}).get("weights_digest") != model_record.weights_digest:
+    if record.model.weights_digest != model_record.weights_digest:
         raise StaleInputError(f"{paths.reference} is stale: it was made for other weights than {paths.weights}; "
                                "run stage=reference")
-    if [p["input_ids"] for p in record.get("prompts", [])] != [p["input_ids"] for p in prompts] \
-            or record.get("max_new_tokens") != cfg.validate.max_new_tokens:
+    if [p.input_ids for p in record.prompts] != [p.input_ids for p in prompts] \
+            or record.max_new_tokens != cfg.validate.max_new_tokens:
         raise StaleInputError(f"{paths.reference} is stale: validate.prompts or validate.max_new_tokens changed "
                                "since it was made; run stage=reference")
-    if sha256_file(paths.reference_tensors) != record["logits_file"]["sha256"]:
+    if sha256_file(paths.reference_tensors) != record.logits_file.sha256:
         raise StaleInputError(f"{paths.reference_tensors} does not match {paths.reference}: "
                                "run stage=reference force=true")
     return record, load_file(paths.reference_tensors)

@@ -39,7 +39,7 @@ from pipeline.config import PipelineConfig
 from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
-from pipeline.core.records import encode, fingerprint, read_record
+from pipeline.core.records import encode, fingerprint
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -54,9 +54,13 @@ from pipeline.validation.records import (
     Gates,
     Measured,
     Metrics,
+    PromptVerdict,
+    ReferenceRecord,
     ThroughputGate,
     ThroughputSummary,
+    TopToken,
     ValidationRecord,
+    WorkerResult,
 )
 from pipeline.validation.worker import ValidationJob, select_prompts
 
@@ -75,10 +79,10 @@ def require_floor(cfg: PipelineConfig, backend: str, hardware: str) -> None:
                           f"{backend}.{hardware} for this hardware")
 
 
-def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference: dict, hardware: str) -> str:
+def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference_fingerprint: str, hardware: str) -> str:
     return fingerprint({
         "manifest": fingerprint(manifest.to_json()),  # the whole manifest: members, variant, compiler, archive
-        "reference": reference["fingerprint"],
+        "reference": reference_fingerprint,
         "signing": {"public_key": cfg.package.signing.public_key, "private_key": cfg.package.signing.private_key,
                     "allow_unsigned": cfg.package.signing.allow_unsigned},
         "validate": {"warmup_prompts": cfg.validate.warmup_prompts, "parity": asdict(cfg.validate.parity),
@@ -110,14 +114,15 @@ def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need:
                 raise
         if proc.returncode == -9:
             raise PipelineError(preflight.oom_message("the validation process", host, need))
-        result = read_record(result_path)
-    if result is None:
-        raise PipelineError(f"validation could not run: the validation process exited with code {proc.returncode} "
-                            f"without a result; its last lines:\n" + "\n".join(tail))
-    if not result["ok"]:
-        raise from_record(result) or PipelineError(
-            f"validation could not run: {result['error_type']}: {result['error']}\nits last lines:\n" + "\n".join(tail))
-    return Measured.from_json(result["metrics"], "the validation process's result")
+        if not result_path.exists():
+            raise PipelineError(f"validation could not run: the validation process exited with code "
+                                f"{proc.returncode} without a result; its last lines:\n" + "\n".join(tail))
+        result = WorkerResult.from_bytes(result_path.read_bytes(), "the validation process's result")
+    if result.failure is not None:
+        failure = result.failure
+        raise from_record(encode(failure)) or PipelineError(
+            f"validation could not run: {failure.error_type}: {failure.error}\nits last lines:\n" + "\n".join(tail))
+    return result.metrics
 
 
 def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: str,
@@ -136,14 +141,14 @@ def throughput_gate(cfg: PipelineConfig, backend: str, hardware: str, prefill: s
     return ThroughputGate(key, tuple(rows), all(r.passed for r in rows))
 
 
-def parity_table(report: list[dict]) -> str:
+def parity_table(report: tuple[PromptVerdict, ...]) -> str:
     lines = [f"  {'prompt':<12} {'tokens':>6} {'mode':<14} {'result':<7} {'first div.':>10} {'tf match':>8} "
              f"{'max|dlogit|':>11}"]
     for r in report:
-        tf = r.get("teacher_forced_match")
-        lines.append(f"  {r['prompt']:<12} {r['prompt_tokens']:>6} {r['mode']:<14} "
-                     f"{'pass' if r['passed'] else 'FAIL':<7} {str(r['first_divergence']):>10} "
-                     f"{'' if tf is None else f'{tf:.3f}':>8} {r['max_abs_dlogit']:>11.2e}")
+        tf = r.teacher_forced_match
+        lines.append(f"  {r.prompt:<12} {r.prompt_tokens:>6} {r.mode:<14} "
+                     f"{'pass' if r.passed else 'FAIL':<7} {str(r.first_divergence):>10} "
+                     f"{'' if tf is None else f'{tf:.3f}':>8} {r.max_abs_dlogit:>11.2e}")
     return "\n".join(lines)
 
 
@@ -162,30 +167,33 @@ def throughput_table(contexts: dict[str, ContextFigures], gate: ThroughputGate) 
     return "\n".join(lines)
 
 
-def failure_table(report: list[dict]) -> str:
+def top_tokens(top: tuple[TopToken, ...]) -> str:
+    return ", ".join(f"{t.text!r}={t.logit}" for t in top)
+
+
+def failure_table(report: tuple[PromptVerdict, ...]) -> str:
     lines = []
     for r in report:
-        if r["passed"]:
+        if r.passed:
             continue
-        why = "; ".join(r.get("failures") or ["tokens differ"])
-        lines.append(f"  {r['prompt']} ({r['prompt_tokens']} tokens), first divergence at new token "
-                     f"{r['first_divergence']}: {why}")
-        d = r.get("divergence")
+        why = "; ".join(r.failures or ["tokens differ"])
+        lines.append(f"  {r.prompt} ({r.prompt_tokens} tokens), first divergence at new token "
+                     f"{r.first_divergence}: {why}")
+        d = r.divergence
         if d:
-            lines.append(f"      ...{d['context_before']!r} | reference: {d['reference_after']!r} "
-                         f"| ours: {d['ours_after']!r}")
-            if "reference_top" in d:
-                fmt = lambda top: ", ".join(f"{t['text']!r}={t['logit']}" for t in top)  # noqa: E731
-                lines.append(f"      reference top: {fmt(d['reference_top'])}")
-                lines.append(f"      ours top:      {fmt(d['ours_top'])}")
+            lines.append(f"      ...{d.context_before!r} | reference: {d.reference_after!r} | ours: {d.ours_after!r}")
+            if d.reference_top is not None:
+                lines.append(f"      reference top: {top_tokens(d.reference_top)}")
+                lines.append(f"      ours top:      {top_tokens(d.ours_top)}")
     return "\n".join(lines)
 
 
-def worker_job(cfg: PipelineConfig, manifest: Manifest, reference: dict, chosen: list[int]) -> ValidationJob:
+def worker_job(cfg: PipelineConfig, manifest: Manifest, reference: ReferenceRecord,
+               chosen: list[int]) -> ValidationJob:
     """What the fresh validation process is given (pipeline/validation/worker.py)."""
     paths = Paths.of(cfg)
     return ValidationJob(
-        manifest=manifest.to_json(),
+        manifest=manifest,
         archive=str((paths.dist / manifest.archive.name).resolve()),
         reference=reference,
         reference_tensors=str(paths.reference_tensors.resolve()),
@@ -260,14 +268,13 @@ def run(cfg: PipelineConfig) -> StageResult:
     hardware = preflight.resolve_hardware(cfg.hardware.name)
     require_floor(cfg, manifest.backend, hardware)
     reference, _ = reference_stage.load(cfg)
-    fp = metrics_fingerprint(cfg, manifest, reference, hardware)
+    fp = metrics_fingerprint(cfg, manifest, reference.fingerprint, hardware)
     previous = ValidationRecord.read_if_valid(paths.validation_report)
     if not cfg.force and previous and previous.fingerprint == fp and paths.metrics.exists() and previous.gates.passed:
         log.info("validate: %s is up to date (%s)", cfg.variant.name, paths.metrics)
         return StageResult("validate", StageStatus.skipped)
     shape = manifest.shape
-    chosen, coverage = select_prompts(reference["prompts"], shape, reference["max_new_tokens"],
-                                      cfg.validate.prompt_names)
+    chosen, coverage = select_prompts(reference.prompts, shape, reference.max_new_tokens, cfg.validate.prompt_names)
     backend, entry = manifest.backend, backend_entry(manifest.backend)
     entry.create().check_load(shape)  # before the preflight, the signature and the archive
     est = preflight.estimate(load_spec(paths.weights), shape, entry, cfg.model.resources.get(backend))
@@ -278,7 +285,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     log.info("validate: %s signature %s", cfg.variant.name, accepted)
     started = time.monotonic()
     log.info("validate: %s (%s) in a fresh process, prompts %s", cfg.variant.name, manifest.version,
-             [reference["prompts"][i]["name"] for i in chosen])
+             [reference.prompts[i].name for i in chosen])
     measured = measure_in_fresh_process(cfg, manifest, worker_job(cfg, manifest, reference, chosen), passed.host,
                                        passed.need)
     gate = throughput_gate(cfg, manifest.backend, hardware, shape.prefill, measured.throughput)

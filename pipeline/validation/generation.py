@@ -22,6 +22,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import usable_cpus
 from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
+from pipeline.validation.records import ThreadPolicy
 
 
 @dataclass
@@ -117,10 +118,10 @@ class Generator:
         self.decode_threads = decode_threads
 
     @property
-    def threads(self) -> dict[str, int]:
+    def threads(self) -> ThreadPolicy:
         """The thread policy, as validation.json records it."""
-        return {"host_prefill": self.prefill_threads if self.shape.prefill == "host" else 0,
-                "decode": self.decode_threads, "usable_cpus": usable_cpus()}
+        return ThreadPolicy(host_prefill=self.prefill_threads if self.shape.prefill == "host" else 0,
+                            decode=self.decode_threads, usable_cpus=usable_cpus())
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.shape.prefill == "host":

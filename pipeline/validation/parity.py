@@ -19,21 +19,33 @@ Three modes (``conf/validate``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-SLICES = ("top5", "top50", "top1000", "all")
+from pipeline.validation.records import DtypeNoise, SliceErrors
+
+SLICES = tuple(f.name for f in fields(SliceErrors))
 SLICE_K = {"top5": 5, "top50": 50, "top1000": 1000, "all": None}
+
+
+@dataclass(frozen=True)
+class StepDivergence:
+    """A step whose argmax is not the reference's token, and how much higher the reference scored its own."""
+
+    step: int
+    ours: int
+    reference: int
+    reference_gap: float
 
 
 @dataclass
 class LogitErrors:
     """How far one prompt's logits are from the reference's, over all its steps."""
 
-    relative: dict[str, float]  # per slice: max over steps of max|d| / max|ref| on the slice
-    absolute: dict[str, float]  # per slice: max over steps of max|d|
-    divergences: list[dict]  # steps whose argmax differs from the reference token
+    relative: SliceErrors  # per slice: max over steps of max|d| / max|ref| on the slice
+    absolute: SliceErrors  # per slice: max over steps of max|d|
+    divergences: list[StepDivergence]
     steps: int
     matched: int  # steps whose argmax is the reference token
 
@@ -41,9 +53,14 @@ class LogitErrors:
     def match_share(self) -> float:
         return self.matched / self.steps if self.steps else 1.0
 
-    def to_dict(self) -> dict:
-        return {"relative": self.relative, "absolute": self.absolute, "divergences": self.divergences,
-                "steps": self.steps, "matched": self.matched, "match_share": round(self.match_share, 4)}
+
+@dataclass(frozen=True)
+class LogitsVerdict:
+    """The ``logits`` mode's verdict of one prompt: which route passed it (None: neither) and what failed."""
+
+    passed: bool
+    route: str | None
+    failures: list[str]
 
 
 def logit_errors(ours: torch.Tensor, reference: torch.Tensor, reference_tokens: list[int]) -> LogitErrors:
@@ -66,54 +83,53 @@ def logit_errors(ours: torch.Tensor, reference: torch.Tensor, reference_tokens: 
         ours_token, ref_token = int(chosen[step]), int(reference_tokens[step])
         if ours_token != ref_token:
             gap = float(reference[step, ref_token] - reference[step, ours_token])
-            divergences.append({"step": step, "ours": ours_token, "reference": ref_token, "reference_gap": gap})
-    return LogitErrors(relative, absolute, divergences, steps, steps - len(divergences))
+            divergences.append(StepDivergence(step, ours_token, ref_token, gap))
+    return LogitErrors(SliceErrors(**relative), SliceErrors(**absolute), divergences, steps,
+                       steps - len(divergences))
 
 
 def slice_failures(errors: LogitErrors, reference: torch.Tensor, tol_map: dict[str, tuple[float, float]]) -> list[str]:
     """Slices whose error exceeds ``atol + rtol * max|ref|`` (checked on the relative error: atol is scaled too)."""
     scale = float(reference.abs().max()) if reference.numel() else 1.0
     failed = []
-    for name in SLICES:
+    for name, relative in errors.relative.items():
         atol, rtol = tol_map[name]
-        if errors.relative[name] > rtol + atol / max(scale, 1e-12):
-            failed.append(f"{name}: relative error {errors.relative[name]:.4f} > rtol {rtol}")
+        if relative > rtol + atol / max(scale, 1e-12):
+            failed.append(f"{name}: relative error {relative:.4f} > rtol {rtol}")
     return failed
 
 
 def divergence_failures(errors: LogitErrors, tolerance: float) -> list[str]:
-    return [f"step {d['step']}: chose {d['ours']} over the reference's {d['reference']}, which the reference scored "
-            f"{d['reference_gap']:.4f} higher (> {tolerance})"
-            for d in errors.divergences if d["reference_gap"] > tolerance]
+    return [f"step {d.step}: chose {d.ours} over the reference's {d.reference}, which the reference scored "
+            f"{d.reference_gap:.4f} higher (> {tolerance})"
+            for d in errors.divergences if d.reference_gap > tolerance]
 
 
-def noise_failures(errors: LogitErrors, noise: dict, multiplier: float) -> list[str]:
+def noise_failures(errors: LogitErrors, noise: DtypeNoise, multiplier: float) -> list[str]:
     """Three-way: is every error within ``multiplier`` x transformers' own bf16 error on this prompt?"""
     failed = []
-    for name in SLICES:
-        bound = multiplier * noise["relative"][name]
-        if errors.relative[name] > bound:
-            failed.append(f"{name}: relative error {errors.relative[name]:.4f} > {multiplier} x transformers bf16 "
-                          f"{noise['relative'][name]:.4f}")
-    gap_bound = multiplier * noise["absolute"]["top5"]
-    failed += [f"step {d['step']}: divergence over a reference gap of {d['reference_gap']:.4f}, larger than "
-               f"transformers bf16's largest top-5 error {noise['absolute']['top5']:.4f}"
-               for d in errors.divergences if d["reference_gap"] > gap_bound]
+    for (name, ours), (_, bf16) in zip(errors.relative.items(), noise.relative.items()):
+        if ours > multiplier * bf16:
+            failed.append(f"{name}: relative error {ours:.4f} > {multiplier} x transformers bf16 {bf16:.4f}")
+    gap_bound = multiplier * noise.absolute.top5
+    failed += [f"step {d.step}: divergence over a reference gap of {d.reference_gap:.4f}, larger than "
+               f"transformers bf16's largest top-5 error {noise.absolute.top5:.4f}"
+               for d in errors.divergences if d.reference_gap > gap_bound]
     return failed
 
 
-def judge_logits(errors: LogitErrors, reference: torch.Tensor, settings, noise: dict | None) -> dict:
+def judge_logits(errors: LogitErrors, reference: torch.Tensor, settings, noise: DtypeNoise | None) -> LogitsVerdict:
     """The ``logits`` verdict of one prompt; ``settings`` is the ``validate.parity.logits`` section."""
     tol_map = {name: tuple(settings.tol_map[name]) for name in SLICES}
     static = slice_failures(errors, reference, tol_map) + divergence_failures(errors, settings.divergence_tol)
-    verdict = {"passed": not static, "route": "tolerances" if not static else None, "failures": static}
-    if static and settings.dtype_noise and noise is not None:
+    if not static:
+        return LogitsVerdict(True, "tolerances", [])
+    if settings.dtype_noise and noise is not None:
         three_way = noise_failures(errors, noise, settings.noise_multiplier)
         if not three_way:
-            verdict.update(passed=True, route="dtype_noise")
-        else:
-            verdict["failures"] = static + three_way
-    return verdict
+            return LogitsVerdict(True, "dtype_noise", static)
+        return LogitsVerdict(False, None, static + three_way)
+    return LogitsVerdict(False, None, static)
 
 
 def logits_of(tensors: dict[str, torch.Tensor], index: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pipeline.config import PromptConfig
 from pipeline.models.texts import PASSAGES
+from pipeline.validation.records import Prompt
 
 
 def messages_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -45,9 +46,9 @@ def build_prompt(tokenizer, prompt: PromptConfig) -> tuple[str, list[int]]:
     return best
 
 
-def build_prompts(tokenizer, prompts: list[PromptConfig]) -> list[dict]:
+def build_prompts(tokenizer, prompts: list[PromptConfig]) -> list[Prompt]:
     out = []
     for prompt in prompts:
         text, ids = build_prompt(tokenizer, prompt)
-        out.append({"name": prompt.name, "max_tokens": prompt.max_tokens, "text": text, "input_ids": ids})
+        out.append(Prompt(prompt.name, prompt.max_tokens, text, tuple(ids)))
     return out

@@ -1,17 +1,17 @@
-"""What a validation measured, typed: the worker's result (``Measured``, in RESULT.json) and the validate stage's
-record of it with its gates (``ValidationRecord``, ``validation.json``), read by publish, the multirun summary and
-``neuron-check``.
+"""What validation judges against and what it measured, typed: the float reference (``ReferenceRecord``,
+``reference.json``, written by the reference stage), the validation process's result (``WorkerResult``, RESULT.json,
+holding ``Measured``) and the validate stage's record of it with its gates (``ValidationRecord``, ``validation.json``),
+read by publish, the multirun summary and ``neuron-check``.
 
-Both are ``Record``s (pipeline/core/records.py): read through their class, which refuses a missing, unknown or
+Each is a ``Record`` (pipeline/core/records.py): read through its class, which refuses a missing, unknown or
 wrong-typed key by name. On disk each is exactly its fields as JSON, keys sorted; a validation record is the
-measurement plus what was validated and its gates. The per-prompt verdicts (``prompts``: their keys depend on the
-parity mode), the thread policy and the preflight's figures stay objects of their own shape, made by
-pipeline/validation/worker.py (judge), generation.py and host/preflight.py, and read back only by the stage's tables.
+measurement plus what was validated and its gates. A prompt's verdict (``PromptVerdict``) holds the keys of its parity
+mode only: the others are left out. The preflight's figures stay objects of host/preflight.py's shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pipeline.core.errors import InputError, PipelineError, PublishError
@@ -84,6 +84,76 @@ class PeakRss:
 
 
 @dataclass(frozen=True)
+class SliceErrors:
+    """One logit error per slice of the reference's ranking (pipeline/validation/parity.py): over its top 5, 50 and
+    1000 tokens, and over every token."""
+
+    top5: float
+    top50: float
+    top1000: float
+    all: float
+
+    def items(self) -> list[tuple[str, float]]:
+        """(slice, error) in the slices' order, narrowest first."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """torch's threads per phase on the host (pipeline/validation/generation.py): host prefill's (0 where the
+    device prefills), each decode step's, and the CPUs this process may use."""
+
+    host_prefill: int
+    decode: int
+    usable_cpus: int
+
+
+@dataclass(frozen=True)
+class TopToken:
+    token: int
+    text: str
+    logit: float
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a failed prompt left the reference (``step``, a new token's index): the text before it, both sides'
+    text after it, and each side's top tokens there where both have logits at that step."""
+
+    step: int
+    context_before: str
+    reference_after: str
+    ours_after: str
+    ours_top: tuple[TopToken, ...] | None = None
+    reference_top: tuple[TopToken, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PromptVerdict:
+    """One prompt's parity verdict (pipeline/validation/worker.py, judge). The fields with a default belong to some
+    modes only and are left out in the others: the teacher-forced figures in ``teacher_forced`` and ``logits``
+    mode, ``route`` in ``logits`` mode (left out where no route passed the prompt), ``failures`` where a check
+    failed (always in ``logits`` mode), ``divergence`` in a failed prompt that left the reference."""
+
+    prompt: str
+    prompt_tokens: int
+    mode: str
+    passed: bool
+    new_tokens: int
+    reference_tokens: int
+    first_divergence: int | None
+    max_abs_dlogit: float
+    ttft_ms: float
+    prefill_calls: int
+    teacher_forced_match: float | None = None
+    relative_error: SliceErrors | None = None
+    divergences: int | None = None
+    route: str | None = None
+    failures: tuple[str, ...] | None = None
+    divergence: Divergence | None = None
+
+
+@dataclass(frozen=True)
 class Measured(Record):
     """What the validation process measured (RESULT.json's ``metrics``); the stage applies the gates."""
 
@@ -100,10 +170,37 @@ class Measured(Record):
     """Every figure per context length (the same two rates, per context)."""
     costs_s: Costs
     peak_rss_mb: PeakRss
-    threads: dict[str, Any]
-    """torch's threads per phase on the host (pipeline/validation/generation.py)."""
-    prompts: tuple[dict[str, Any], ...]
-    """Each prompt's verdict (pipeline/validation/worker.py, judge)."""
+    threads: ThreadPolicy
+    prompts: tuple[PromptVerdict, ...]
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """An error the validation process raised, as pipeline/core/errors.py's to_record describes it (``problems``: a
+    ConfigError's), for the stage to raise again as the same class."""
+
+    error_type: str
+    error: str
+    problems: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerResult(Record):
+    """RESULT.json: what the validation process (pipeline/validation/worker.py) tells the stage, which reads it as soon
+    as the process ends: what it measured, or the error it raised."""
+
+    KIND = "validation process's result"
+    MAKE = "the validation process wrote none"
+    FIX = "The validation process is of another version of the pipeline than the stage: reinstall it"
+    ERROR = InputError
+
+    metrics: Measured | None = None
+    failure: WorkerFailure | None = None
+
+    def problems(self) -> list[str]:
+        if (self.metrics is None) == (self.failure is None):
+            return ["it holds metrics or a failure, exactly one of them"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -219,3 +316,98 @@ class ValidationSummary(Record):
     def of(cls, report: ValidationRecord) -> ValidationSummary:
         return cls(report.parity, report.throughput, report.contexts, report.gates, report.backend, report.hardware,
                    report.throughput_gate.floor)
+
+
+# -- the float reference --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prompt:
+    """A validation prompt (pipeline/validation/prompts.py): its name and token budget, its text and its chat-templated
+    token ids."""
+
+    name: str
+    max_tokens: int
+    text: str
+    input_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DtypeNoise:
+    """transformers' own model at a lower dtype, teacher-forced on the fp32 continuation: its logit errors against
+    fp32 (the noise a build of that dtype is judged against), how many steps chose another token, and of how many."""
+
+    relative: SliceErrors
+    absolute: SliceErrors
+    divergences: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class ReferencePrompt(Prompt):
+    """A prompt with the reference's greedy continuation, and the dtype noise per dtype (``bf16``)."""
+
+    output_ids: tuple[int, ...]
+    stopped_on_eos: bool
+    dtype_noise: dict[str, DtypeNoise]
+
+    @classmethod
+    def of(cls, prompt: Prompt, output_ids: list[int], stopped_on_eos: bool,
+           dtype_noise: dict[str, DtypeNoise]) -> ReferencePrompt:
+        return cls(**{f.name: getattr(prompt, f.name) for f in fields(Prompt)}, output_ids=tuple(output_ids),
+                   stopped_on_eos=stopped_on_eos, dtype_noise=dtype_noise)
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    name: str
+    weights_digest: str
+
+
+@dataclass(frozen=True)
+class LogitsFile:
+    """reference.safetensors: its name beside reference.json and its sha256."""
+
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ReferenceVersions:
+    torch: str
+    transformers: str
+    pipeline: str
+
+
+@dataclass(frozen=True)
+class ReferencePeak:
+    peak_rss_bytes: int
+
+
+@dataclass(frozen=True)
+class ReferencePreflight:
+    """The host checked for what the float model needs (pipeline/host/preflight.py), beside the peak it took."""
+
+    need: dict[str, Any]
+    host: dict[str, Any]
+    measured: ReferencePeak
+
+
+@dataclass(frozen=True)
+class ReferenceRecord(Record):
+    """``reference.json``: the float reference's greedy continuation of every validation prompt (its logits are in
+    reference.safetensors, ``logits_file``), what made it, and its fingerprint (pipeline/stages/reference.py)."""
+
+    KIND = "reference record"
+    MAKE = "run stage=reference first"
+    FIX = "It was written by another release of the pipeline, or edited: run stage=reference force=true"
+    ERROR = PipelineError
+
+    fingerprint: str
+    model: ReferenceModel
+    max_new_tokens: int
+    top_k: int
+    prompts: tuple[ReferencePrompt, ...]
+    logits_file: LogitsFile
+    versions: ReferenceVersions
+    eos_token_ids: tuple[int, ...]
+    preflight: ReferencePreflight

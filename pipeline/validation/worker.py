@@ -1,11 +1,11 @@
 """Validation of a packaged build, run in a fresh interpreter through the path a server would use.
 
-``python -m pipeline.validation.worker JOB.json RESULT.json``: verify the archive against its manifest, unpack it
-safely into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge
-them against the reference (``pipeline/validation/parity.py``), then measure throughput. Nothing is loaded before the
-archive and every member match the manifest. The result (metrics and a report a person can act on) is written to
-RESULT.json; the stage process applies the gates. A failure is written there too (its error class and message), and
-the stage raises it again as the same class.
+``python -m pipeline.validation.worker JOB.json RESULT.json``: verify the archive against its manifest, unpack it safely
+into a new directory, load the ranks with the backend's own loader, decode the validation prompts and judge them against
+the reference (``pipeline/validation/parity.py``), then measure throughput. Nothing is loaded before the archive and
+every member match the manifest. The result (metrics and a report a person can act on) is written to RESULT.json
+(``WorkerResult``, pipeline/validation/records.py); the stage process applies the gates. A failure is written there too
+(its error class and message), and the stage raises it again as the same class.
 
 Logs one line per prompt (its verdict) and per throughput context as each is done. Started by the stage, it writes
 its records to the stage (``PIPELINE_LOG_RELAY``, pipeline/core/log.py), which logs them as its own.
@@ -19,7 +19,8 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.config import ParityConfig, ThroughputConfig, section
 from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
-from pipeline.core.fsutil import atomic_write_json, reporting_full_disk, sha256_file, temp_dir_beside
+from pipeline.core.fsutil import reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
@@ -39,22 +40,31 @@ from pipeline.validation.records import (
     ContextFigures,
     Costs,
     Coverage,
+    Divergence,
+    DtypeNoise,
     Measured,
     ParitySummary,
     PeakRss,
+    Prompt,
+    PromptVerdict,
+    ReferencePrompt,
+    ReferenceRecord,
     ThroughputSummary,
+    TopToken,
+    WorkerFailure,
+    WorkerResult,
 )
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
 
 
-def applicable(prompts: list[dict], shape: BuildShape, max_new_tokens: int) -> list[int]:
+def applicable(prompts: Sequence[Prompt], shape: BuildShape, max_new_tokens: int) -> list[int]:
     """Indices of the reference prompts this variant can serve (prompt plus new tokens within kv_max)."""
-    return [i for i, p in enumerate(prompts) if len(p["input_ids"]) + max_new_tokens <= shape.kv_max]
+    return [i for i, p in enumerate(prompts) if len(p.input_ids) + max_new_tokens <= shape.kv_max]
 
 
-def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
+def select_prompts(prompts: Sequence[Prompt], shape: BuildShape, max_new_tokens: int,
                    names: list[str] | None) -> tuple[list[int], Coverage]:
     """The prompts a variant validates, and which of them cover its bucket.
 
@@ -63,12 +73,12 @@ def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
     ``InputError`` before anything is loaded.
     """
     if names:
-        by_name = {p["name"]: i for i, p in enumerate(prompts)}
+        by_name = {p.name: i for i, p in enumerate(prompts)}
         chosen = [by_name[n] for n in names]
         for i in chosen:
-            length = len(prompts[i]["input_ids"])
+            length = len(prompts[i].input_ids)
             if length + max_new_tokens > shape.kv_max:
-                raise InputError(f"validation prompt {prompts[i]['name']!r} has {length} tokens; with "
+                raise InputError(f"validation prompt {prompts[i].name!r} has {length} tokens; with "
                                  f"{max_new_tokens} new tokens it needs {length + max_new_tokens} cache positions but "
                                  f"variant.kv_max is {shape.kv_max}: drop it from validate.prompt_names or lower "
                                  "validate.max_new_tokens")
@@ -77,7 +87,7 @@ def select_prompts(prompts: list[dict], shape: BuildShape, max_new_tokens: int,
     if not chosen:
         raise InputError(f"no validation prompt fits variant.kv_max={shape.kv_max} with {max_new_tokens} new tokens: "
                          "add a shorter prompt to validate.prompts")
-    lengths = {prompts[i]["name"]: len(prompts[i]["input_ids"]) for i in chosen}
+    lengths = {prompts[i].name: len(prompts[i].input_ids) for i in chosen}
     near = [n for n, length in lengths.items() if shape.bucket // 2 < length <= shape.bucket]
     spans = [n for n, length in lengths.items() if length > 2 * shape.bucket]
     coverage = Coverage(near_bucket=tuple(near), multi_bucket=tuple(spans))
@@ -175,68 +185,65 @@ class Explainer:
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def top(self, logits: torch.Tensor) -> list[dict]:
+    def top(self, logits: torch.Tensor) -> tuple[TopToken, ...]:
         values, ids = logits.float().topk(min(TOP_SHOWN, logits.numel()))
-        return [{"token": int(i), "text": self.text([int(i)]), "logit": round(float(v), 4)}
-                for v, i in zip(values, ids)]
+        return tuple(TopToken(token=int(i), text=self.text([int(i)]), logit=round(float(v), 4))
+                     for v, i in zip(values, ids))
 
-    def divergence(self, prompt: dict, step: int, ours_tokens: list[int], ours_logits: torch.Tensor,
-                   ref_logits: torch.Tensor) -> dict:
-        ref = prompt["output_ids"]
+    def divergence(self, prompt: ReferencePrompt, step: int, ours_tokens: list[int], ours_logits: torch.Tensor,
+                   ref_logits: torch.Tensor) -> Divergence:
+        ref = list(prompt.output_ids)
         start = max(0, step - CONTEXT)
-        report = {
-            "step": step,
-            "context_before": self.text(ref[start:step]),
-            "reference_after": self.text(ref[step:step + CONTEXT]),
-            "ours_after": self.text(ours_tokens[step:step + CONTEXT]),
-        }
-        if step < len(ours_logits) and step < len(ref_logits):
-            report["ours_top"] = self.top(ours_logits[step])
-            report["reference_top"] = self.top(ref_logits[step])
-        return report
+        both = step < len(ours_logits) and step < len(ref_logits)  # a step past either side's end has no logits
+        return Divergence(step=step, context_before=self.text(ref[start:step]),
+                          reference_after=self.text(ref[step:step + CONTEXT]),
+                          ours_after=self.text(ours_tokens[step:step + CONTEXT]),
+                          ours_top=self.top(ours_logits[step]) if both else None,
+                          reference_top=self.top(ref_logits[step]) if both else None)
 
 
-def judge(prompt: dict, gen: Generation, ref_logits: torch.Tensor, mode: str, parity: ParityConfig,
-          noise: dict | None, explainer: Explainer) -> dict:
+def judge(prompt: ReferencePrompt, gen: Generation, ref_logits: torch.Tensor, mode: str, parity: ParityConfig,
+          noise: DtypeNoise | None, explainer: Explainer) -> PromptVerdict:
     """One prompt's parity verdict and report entry."""
-    ref_tokens = prompt["output_ids"]
-    entry = {"prompt": prompt["name"], "prompt_tokens": len(prompt["input_ids"]), "mode": mode,
-             "new_tokens": len(gen.tokens), "reference_tokens": len(ref_tokens)}
+    ref_tokens = list(prompt.output_ids)
     if mode == "exact":
         index = first_divergence(gen.tokens, ref_tokens)
         compared = index if index is not None else len(ref_tokens)
         errors = logit_errors(gen.logits[:compared], ref_logits[:compared], ref_tokens[:compared])
-        entry.update(passed=index is None, first_divergence=index, max_abs_dlogit=errors.absolute["all"])
+        by_mode = {"passed": index is None}
     else:
         errors = logit_errors(gen.logits, ref_logits, ref_tokens)
-        index = errors.divergences[0]["step"] if errors.divergences else None
-        entry.update(first_divergence=index, teacher_forced_match=round(errors.match_share, 4),
-                     relative_error=errors.relative, max_abs_dlogit=errors.absolute["all"],
-                     divergences=len(errors.divergences))
+        index = errors.divergences[0].step if errors.divergences else None
+        by_mode = {"teacher_forced_match": round(errors.match_share, 4), "relative_error": errors.relative,
+                   "divergences": len(errors.divergences)}
         if mode == "teacher_forced":
-            entry["passed"] = errors.match_share >= parity.teacher_forced_min
-            if not entry["passed"]:
-                entry["failures"] = [f"teacher-forced match {errors.match_share:.3f} < {parity.teacher_forced_min}"]
+            passed = errors.match_share >= parity.teacher_forced_min
+            by_mode |= {"passed": passed, "failures": None if passed else (
+                f"teacher-forced match {errors.match_share:.3f} < {parity.teacher_forced_min}",)}
         else:
-            verdict = judge_logits(errors, ref_logits, parity.logits, noise)
-            entry.update(passed=verdict["passed"], route=verdict["route"], failures=verdict["failures"])
-    if index is not None and not entry["passed"]:
-        entry["divergence"] = explainer.divergence(prompt, index, gen.tokens, gen.logits, ref_logits)
-    return entry
+            logits = judge_logits(errors, ref_logits, parity.logits, noise)
+            by_mode |= {"passed": logits.passed, "route": logits.route, "failures": tuple(logits.failures)}
+    verdict = PromptVerdict(prompt=prompt.name, prompt_tokens=len(prompt.input_ids), mode=mode,
+                            new_tokens=len(gen.tokens), reference_tokens=len(ref_tokens), first_divergence=index,
+                            max_abs_dlogit=errors.absolute.all, ttft_ms=round(gen.ttft_s * 1e3, 3),
+                            prefill_calls=gen.prefill_calls, **by_mode)
+    if index is not None and not verdict.passed:
+        verdict = replace(verdict, divergence=explainer.divergence(prompt, index, gen.tokens, gen.logits, ref_logits))
+    return verdict
 
 
-def check_prompt(gen: Generator, reference: dict, i: int, tensors: dict, shape: BuildShape, mode: str,
-                 parity: ParityConfig, explainer: Explainer, position: tuple[int, int]) -> dict:
+def check_prompt(gen: Generator, reference: ReferenceRecord, i: int, tensors: dict, shape: BuildShape, mode: str,
+                 parity: ParityConfig, explainer: Explainer, position: tuple[int, int]) -> PromptVerdict:
     """Decode reference prompt ``i`` and judge it; logs its verdict (``position``: (n, of)) as soon as it is known."""
-    prompt = reference["prompts"][i]
-    forced = None if mode == "exact" else prompt["output_ids"]
-    g = gen.generate(prompt["input_ids"], reference["max_new_tokens"], forced=forced)
-    noise = prompt.get("dtype_noise", {}).get(shape.dtype) if shape.dtype == "bf16" else None
-    entry = judge(prompt, g, logits_of(tensors, i), mode, parity, noise, explainer)
+    prompt = reference.prompts[i]
+    forced = None if mode == "exact" else list(prompt.output_ids)
+    g = gen.generate(list(prompt.input_ids), reference.max_new_tokens, forced=forced)
+    noise = prompt.dtype_noise.get(shape.dtype) if shape.dtype == "bf16" else None
+    verdict = judge(prompt, g, logits_of(tensors, i), mode, parity, noise, explainer)
     log.info("validate: prompt %d/%d %s (%d tokens): %s (%s), %d new tokens, first token %.1f ms", *position,
-             prompt["name"], entry["prompt_tokens"], "pass" if entry["passed"] else "FAIL", mode, entry["new_tokens"],
+             prompt.name, verdict.prompt_tokens, "pass" if verdict.passed else "FAIL", mode, verdict.new_tokens,
              g.ttft_s * 1e3)
-    return entry | {"ttft_ms": round(g.ttft_s * 1e3, 3), "prefill_calls": g.prefill_calls}
+    return verdict
 
 
 @dataclass(frozen=True)
@@ -244,11 +251,11 @@ class ValidationJob:
     """What the stage gives the fresh process (JOB.json): the build, the float reference, and the settings the
     verdicts and the measurement follow."""
 
-    manifest: dict  # Manifest.to_json(): read back, and so checked, by Manifest.from_json here
+    manifest: Manifest
     archive: str
-    reference: dict  # reference.json
+    reference: ReferenceRecord
     reference_tensors: str
-    prompts: list[int]  # indices into reference["prompts"]
+    prompts: list[int]  # indices into reference.prompts
     parity: ParityConfig  # validate.parity
     throughput: ThroughputConfig  # validate.throughput
     weights: str
@@ -258,18 +265,22 @@ class ValidationJob:
     warmup_prompts: int
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"manifest": self.manifest.to_json(), "reference": self.reference.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> ValidationJob:
-        """The job the stage wrote, its settings typed and checked as the stage's configuration was."""
+        """The job the stage wrote, its records read strictly and its settings typed and checked as the stage's
+        configuration was."""
         expected = {f.name for f in fields(cls)}
         if set(data) != expected:
             raise InputError(f"the validation job has keys {sorted(set(data) - expected)} it should not, and lacks "
                              f"{sorted(expected - set(data))}: the stage and the worker are of different versions "
                              "of the pipeline (reinstall it)")
-        return cls(**data | {"parity": section(ParityConfig, data["parity"], "validate.parity"),
-                             "throughput": section(ThroughputConfig, data["throughput"], "validate.throughput")})
+        raw = cls(**data)  # its records and settings still as JSON, read into their types here
+        return replace(raw, manifest=Manifest.from_json(raw.manifest, "the validation job's manifest"),
+                       reference=ReferenceRecord.from_json(raw.reference, "the validation job's reference"),
+                       parity=section(ParityConfig, raw.parity, "validate.parity"),
+                       throughput=section(ThroughputConfig, raw.throughput, "validate.throughput"))
 
 
 def run_job(job: ValidationJob) -> Measured:
@@ -279,12 +290,12 @@ def run_job(job: ValidationJob) -> Measured:
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = Manifest.from_json(job.manifest, "the validation job's manifest")
+    manifest = job.manifest
     shape = manifest.shape
     reference = job.reference
     parity = job.parity
     mode = parity.mode(shape.dtype)
-    max_new = reference["max_new_tokens"]
+    max_new = reference.max_new_tokens
     chosen = job.prompts
     tensors = reference_tensors(job)
     explainer = Explainer(job.weights)
@@ -305,13 +316,13 @@ def run_job(job: ValidationJob) -> Measured:
                 gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
                 gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
                                 decode_threads=job.throughput.decode_threads)
-                first = reference["prompts"][chosen[0]]["input_ids"]
+                first = list(reference.prompts[chosen[0]].input_ids)
                 for _ in range(job.warmup_prompts):
                     gen.generate(first, max_new)  # first-call costs, never timed
                 report = [check_prompt(gen, reference, i, tensors, shape, mode, parity, explainer, (n, len(chosen)))
                           for n, i in enumerate(chosen, 1)]
                 parity_done = time.monotonic()
-                filler = [t for p in reference["prompts"] for t in p["input_ids"]]
+                filler = [t for p in reference.prompts for t in p.input_ids]
                 summary, contexts = measure_throughput(gen, shape, job.throughput, filler)
                 threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
@@ -334,19 +345,19 @@ def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
     """The reference's logits, refused if they are not the ones reference.json was written with."""
     from safetensors.torch import load_file
 
-    if sha256_file(job.reference_tensors) != job.reference["logits_file"]["sha256"]:
+    if sha256_file(job.reference_tensors) != job.reference.logits_file.sha256:
         raise StaleInputError(f"{job.reference_tensors} does not match reference.json: "
                               "run stage=reference force=true")
     return load_file(job.reference_tensors)
 
 
-def parity_summary(mode: str, report: list[dict]) -> ParitySummary:
+def parity_summary(mode: str, report: list[PromptVerdict]) -> ParitySummary:
     """The prompts' verdicts in one: passed only if every prompt passed, and the worst figures."""
-    shares = [r["teacher_forced_match"] for r in report if "teacher_forced_match" in r]
-    return ParitySummary(mode=mode, passed=all(r["passed"] for r in report), prompts=len(report),
-                         prompts_matched=sum(r["passed"] for r in report),
+    shares = [r.teacher_forced_match for r in report if r.teacher_forced_match is not None]
+    return ParitySummary(mode=mode, passed=all(r.passed for r in report), prompts=len(report),
+                         prompts_matched=sum(r.passed for r in report),
                          teacher_forced_match=round(min(shares), 4) if shares else None,
-                         max_abs_dlogit=round(max(r["max_abs_dlogit"] for r in report), 6))
+                         max_abs_dlogit=round(max(r.max_abs_dlogit for r in report), 6))
 
 
 def main(argv: list[str]) -> int:
@@ -360,15 +371,15 @@ def main(argv: list[str]) -> int:
     # recorded in validation.json): the decode loop and the comparisons are measured as a server runs them.
     torch.set_num_threads(1)
     try:
-        result = {"ok": True, "metrics": run_job(ValidationJob.from_json(job)).to_json()}
+        result = WorkerResult(metrics=run_job(ValidationJob.from_json(job)))
     except KeyboardInterrupt:  # the stage process was interrupted too, and says so
         return 130
     except PipelineError as exc:  # the stage raises it again, as the same class (its message says what to fix)
-        result = {"ok": False, **to_record(exc)}
+        result = WorkerResult(failure=WorkerFailure(**to_record(exc)))
     except Exception as exc:  # noqa: BLE001 - a bug: its traceback goes to the stage's log, the stage reports it
         log.exception("validation failed")
-        result = {"ok": False, **to_record(exc)}
-    atomic_write_json(result_path, result)
+        result = WorkerResult(failure=WorkerFailure(**to_record(exc)))
+    result.write(result_path)
     return 0
 
 
