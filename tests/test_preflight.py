@@ -217,7 +217,7 @@ def test_a_configured_figure_overrides_the_derived_one():
     assert est.resources.trace_per_graph_gb == 3.5 and est.overridden == ("trace_per_graph_gb",)
     assert est.resources.validate_gb == derived.resources.validate_gb  # the keys left null are still derived
     assert "model.resources.cpu.trace_per_graph_gb is set" in est.describe()
-    assert est.record()["resources_gb"]["trace_per_graph_gb"] == 3.5
+    assert est.figures().resources_gb["trace_per_graph_gb"] == 3.5
 
 
 # -- decisions ------------------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Protocol
 from pipeline.config import ResourceNeed
 from pipeline.core.build_records import EstimateFigures, HostFigures, NeedFigures, WeightBytes
 from pipeline.core.errors import PreflightError
-from pipeline.core.records import encode
 from pipeline.core.units import GIB, parse_size
 
 if TYPE_CHECKING:
@@ -84,9 +83,6 @@ class Resources:
             parts.append(f"cgroup swap limit {self.cgroup_swap_limit / GIB:.1f} GiB")
         return ", ".join(parts)
 
-    def record(self) -> dict:  # until reference.py and validate.py read figures()
-        return encode(self.figures())
-
     def figures(self) -> HostFigures:
         """The figures, as the records keep them."""
         return HostFigures(round(self.mem_available / GIB, 2), round(self.swap_free / GIB, 2),
@@ -105,9 +101,6 @@ class Need:
     neuron_cores: int = 0
     what: str = "this stage"
     memory_hint: str = ""  # another way out of a memory shortfall, e.g. compiling fewer ranks at once
-
-    def record(self) -> dict:  # until reference.py and validate.py read figures()
-        return encode(self.figures())
 
     def figures(self) -> NeedFigures:
         return NeedFigures(round(self.memory / GIB, 2), self.neuron_cores,
@@ -381,9 +374,6 @@ class Estimate:
         text = f"{self.weights.tp_degree} rank(s) of {self.weights.rank / GIB:.2f} GiB of weights"
         return text + "".join(f"; model.resources.{self.backend}.{key} is set" for key in self.overridden)
 
-    def record(self) -> dict:  # until reference.py and validate.py read figures()
-        return encode(self.figures())
-
     def figures(self) -> EstimateFigures:
         """For build.json: with each trace's measured peaks, what the factors can be derived again from."""
         return EstimateFigures(self.weights, {k: round(v, 3) for k, v in asdict(self.resources).items()},
@@ -463,14 +453,11 @@ def check(need: Need, settings: PreflightConfig) -> Resources:
 @dataclass(frozen=True)
 class Passed:
     """A preflight that passed: the estimate, the need derived from it and the host's figures. The trace stage's
-    build record and the validate stage's validation.json both record it, by ``record``."""
+    build record and the validate stage's validation.json both record their ``figures``."""
 
     estimate: Estimate
     need: Need
     host: Resources
-
-    def record(self) -> dict:
-        return {"need": self.need.record(), "host": self.host.record(), "estimate": self.estimate.record()}
 
 
 def run(est: Estimate, need: Need, settings: PreflightConfig) -> Passed:

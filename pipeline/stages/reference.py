@@ -193,7 +193,7 @@ def run(cfg: PipelineConfig) -> StageResult:
                                    pipeline=__version__),
         eos_token_ids=tuple(spec.eos_token_ids),
         # what the estimate can be derived from again: the need beside this process's measured peak
-        preflight=ReferencePreflight(need=need.record(), host=host.record(),
+        preflight=ReferencePreflight(need=need.figures(), host=host.figures(),
                                      measured=ReferencePeak(peak_rss_bytes=peak_rss_bytes())),
     ).write(paths.reference)
     return StageResult("reference", StageStatus.ran, time.monotonic() - started)

@@ -59,6 +59,8 @@ from pipeline.validation.records import (
     ThroughputGate,
     ThroughputSummary,
     TopToken,
+    ValidationPeaks,
+    ValidationPreflight,
     ValidationRecord,
     WorkerResult,
 )
@@ -229,8 +231,8 @@ def validation_record(fp: str, manifest: Manifest, hardware: str, coverage: Cove
         **{f.name: getattr(measured, f.name) for f in fields(Measured)},
         fingerprint=fp, version=manifest.version, archive_sha256=manifest.archive.sha256, backend=manifest.backend,
         hardware=hardware, coverage=coverage, signature=signature,
-        preflight=passed.record() | {"measured": {"stage_peak_rss_bytes": peak_rss_bytes(),
-                                                  "validation_peak_rss_mb": encode(measured.peak_rss_mb)}},
+        preflight=ValidationPreflight(passed.need.figures(), passed.host.figures(), passed.estimate.figures(),
+                                      ValidationPeaks(peak_rss_bytes(), measured.peak_rss_mb)),
         gates=Gates(parity=measured.parity.passed, throughput=gate.passed,
                     passed=measured.parity.passed and gate.passed),
         throughput_gate=gate)

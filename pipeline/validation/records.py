@@ -6,14 +6,15 @@ read by publish, the multirun summary and ``neuron-check``.
 Each is a ``Record`` (pipeline/core/records.py): read through its class, which refuses a missing, unknown or
 wrong-typed key by name. On disk each is exactly its fields as JSON, keys sorted; a validation record is the
 measurement plus what was validated and its gates. A prompt's verdict (``PromptVerdict``) holds the keys of its parity
-mode only: the others are left out. The preflight's figures stay objects of host/preflight.py's shape.
+mode only: the others are left out. The preflight's figures are core's (pipeline/core/build_records.py), as in
+build.json.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
+from pipeline.core.build_records import EstimateFigures, HostFigures, NeedFigures
 from pipeline.core.errors import InputError, PipelineError, PublishError
 from pipeline.core.records import Record
 
@@ -237,6 +238,23 @@ class Gates:
 
 
 @dataclass(frozen=True)
+class ValidationPeaks:
+    stage_peak_rss_bytes: int
+    validation_peak_rss_mb: PeakRss
+    """The validation process's (and its largest rank process's)."""
+
+
+@dataclass(frozen=True)
+class ValidationPreflight:
+    """validation.json's ``preflight``: the check loading the build passed, and the peaks the validation measured."""
+
+    need: NeedFigures
+    host: HostFigures
+    estimate: EstimateFigures
+    measured: ValidationPeaks
+
+
+@dataclass(frozen=True)
 class ValidationRecord(Measured):
     """``validation.json``: the measurement, what was validated and how, and the gates."""
 
@@ -253,8 +271,8 @@ class ValidationRecord(Measured):
     coverage: Coverage
     signature: str
     """How the archive's signature was judged (pipeline/artifact/signing.py, check)."""
-    preflight: dict[str, Any]
-    """The host checked for what loading the build needs, and the measured peaks (pipeline/host/preflight.py)."""
+    preflight: ValidationPreflight
+    """The host checked for what loading the build needs, and the measured peaks."""
     gates: Gates
     throughput_gate: ThroughputGate
 
@@ -387,8 +405,8 @@ class ReferencePeak:
 class ReferencePreflight:
     """The host checked for what the float model needs (pipeline/host/preflight.py), beside the peak it took."""
 
-    need: dict[str, Any]
-    host: dict[str, Any]
+    need: NeedFigures
+    host: HostFigures
     measured: ReferencePeak
 
 
