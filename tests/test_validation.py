@@ -339,15 +339,14 @@ def test_a_crash_in_the_validation_process_could_not_run_and_shows_its_last_line
                                  if isinstance(cls, type) and issubclass(cls, PipelineError)])
 def test_every_pipeline_error_is_raised_again_as_itself(cls, tmp_path):
     """What the validation process writes about an error (RESULT.json) gives the stage the same class and message."""
-    from pipeline.core.records import encode
-    from pipeline.validation.records import WorkerFailure, WorkerResult
+    from pipeline.validation.records import WorkerResult
 
     exc = cls(["a problem", "another"]) if cls is errors.ConfigError else cls("parity failed: 3 of 5 prompts")
-    WorkerResult(failure=WorkerFailure(**errors.to_record(exc))).write(tmp_path / "result.json")
-    again = errors.from_record(encode(WorkerResult.read(tmp_path / "result.json").failure))
+    WorkerResult(failure=errors.ErrorRecord.of(exc)).write(tmp_path / "result.json")
+    again = WorkerResult.read(tmp_path / "result.json").failure.raised_again()
     assert type(again) is cls and str(again) == str(exc)
     assert getattr(again, "problems", None) == getattr(exc, "problems", None)
-    assert errors.from_record(errors.to_record(ValueError("a bug"))) is None
+    assert errors.ErrorRecord.of(ValueError("a bug")).raised_again() is None
 
 
 def test_the_validation_process_result_is_read_strictly():

@@ -249,12 +249,18 @@ class TracePeaks:
 
 
 @dataclass(frozen=True)
-class TracePreflight:
-    """build.json's ``preflight``: the check the trace passed, and what the trace then measured."""
+class CheckedFigures:
+    """A check a stage passed: what it needed, what the host offered, and what the need was derived from."""
 
     need: NeedFigures
     host: HostFigures
     estimate: EstimateFigures
+
+
+@dataclass(frozen=True)
+class TracePreflight(CheckedFigures):
+    """build.json's ``preflight``: the check the trace passed, and what the trace then measured."""
+
     measured: TracePeaks
 
 

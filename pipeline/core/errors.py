@@ -1,8 +1,12 @@
 """Domain exceptions. Each message names the setting at fault and how to fix it.
 
-A child process (the validation worker) reports its failure with ``to_record`` in its RESULT.json, and the stage
-raises it again with ``from_record``: a ParityError in the child is a ParityError in the stage.
+A child process (the validation worker) reports its failure as an ``ErrorRecord`` in its RESULT.json, and the stage
+raises it again (``raised_again``): a ParityError in the child is a ParityError in the stage.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class PipelineError(Exception):
@@ -62,23 +66,28 @@ class StaleInputError(PipelineError):
     backend): the message names the stage to run again."""
 
 
-def to_record(exc: BaseException) -> dict:
-    """What a child process writes about ``exc`` so that its parent can raise it again (``from_record``)."""
-    record = {"error_type": type(exc).__name__, "error": str(exc)}
-    if isinstance(exc, ConfigError):
-        record["problems"] = exc.problems
-    return record
+@dataclass(frozen=True)
+class ErrorRecord:
+    """What a child process writes about an error so that its parent can raise it again."""
 
+    error_type: str
+    error: str
+    problems: tuple[str, ...] | None = None
+    """A ConfigError's."""
 
-def from_record(record: dict) -> PipelineError | None:
-    """The error ``to_record`` described, as the same class with the same message; None when it was not one of the
-    classes above (a bug or a crash: the caller says the work could not run)."""
-    cls = _CLASSES.get(record.get("error_type", ""))
-    if cls is None:
-        return None
-    if cls is ConfigError:
-        return ConfigError(record.get("problems") or [record["error"]])
-    return cls(record["error"])
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorRecord:
+        return cls(type(exc).__name__, str(exc), tuple(exc.problems) if isinstance(exc, ConfigError) else None)
+
+    def raised_again(self) -> PipelineError | None:
+        """The error, as the same class with the same message; None when it was not one of the classes above (a
+        bug or a crash: the caller says the work could not run)."""
+        cls = _CLASSES.get(self.error_type)
+        if cls is None:
+            return None
+        if cls is ConfigError:
+            return ConfigError(list(self.problems or [self.error]))
+        return cls(self.error)
 
 
 _CLASSES = {cls.__name__: cls for cls in (PipelineError, *PipelineError.__subclasses__())}

@@ -459,6 +459,9 @@ class Passed:
     need: Need
     host: Resources
 
+    def figures(self) -> tuple[NeedFigures, HostFigures, EstimateFigures]:
+        return self.need.figures(), self.host.figures(), self.estimate.figures()
+
 
 def run(est: Estimate, need: Need, settings: PreflightConfig) -> Passed:
     """The stages' one entry point: the host checked against ``need`` (derived from ``est`` by ``trace_need`` or

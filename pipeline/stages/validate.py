@@ -36,10 +36,10 @@ from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends.registry import backend_entry
 from pipeline.config import PipelineConfig
-from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError, from_record
+from pipeline.core.errors import ConfigError, ParityError, PipelineError, ThroughputError
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
-from pipeline.core.records import encode, fingerprint
+from pipeline.core.records import fingerprint
 from pipeline.host import preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
@@ -122,7 +122,7 @@ def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need:
         result = WorkerResult.from_bytes(result_path.read_bytes(), "the validation process's result")
     if result.failure is not None:
         failure = result.failure
-        raise from_record(encode(failure)) or PipelineError(
+        raise failure.raised_again() or PipelineError(
             f"validation could not run: {failure.error_type}: {failure.error}\nits last lines:\n" + "\n".join(tail))
     return result.metrics
 
@@ -231,8 +231,7 @@ def validation_record(fp: str, manifest: Manifest, hardware: str, coverage: Cove
         **{f.name: getattr(measured, f.name) for f in fields(Measured)},
         fingerprint=fp, version=manifest.version, archive_sha256=manifest.archive.sha256, backend=manifest.backend,
         hardware=hardware, coverage=coverage, signature=signature,
-        preflight=ValidationPreflight(passed.need.figures(), passed.host.figures(), passed.estimate.figures(),
-                                      ValidationPeaks(peak_rss_bytes(), measured.peak_rss_mb)),
+        preflight=ValidationPreflight(*passed.figures(), ValidationPeaks(peak_rss_bytes(), measured.peak_rss_mb)),
         gates=Gates(parity=measured.parity.passed, throughput=gate.passed,
                     passed=measured.parity.passed and gate.passed),
         throughput_gate=gate)

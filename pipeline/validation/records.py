@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pipeline.core.build_records import EstimateFigures, HostFigures, NeedFigures
-from pipeline.core.errors import InputError, PipelineError, PublishError
+from pipeline.core.build_records import CheckedFigures, HostFigures, NeedFigures
+from pipeline.core.errors import ErrorRecord, InputError, PipelineError, PublishError
 from pipeline.core.records import Record
 
 
@@ -176,16 +176,6 @@ class Measured(Record):
 
 
 @dataclass(frozen=True)
-class WorkerFailure:
-    """An error the validation process raised, as pipeline/core/errors.py's to_record describes it (``problems``: a
-    ConfigError's), for the stage to raise again as the same class."""
-
-    error_type: str
-    error: str
-    problems: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
 class WorkerResult(Record):
     """RESULT.json: what the validation process (pipeline/validation/worker.py) tells the stage, which reads it as soon
     as the process ends: what it measured, or the error it raised."""
@@ -196,7 +186,7 @@ class WorkerResult(Record):
     ERROR = InputError
 
     metrics: Measured | None = None
-    failure: WorkerFailure | None = None
+    failure: ErrorRecord | None = None
 
     def problems(self) -> list[str]:
         if (self.metrics is None) == (self.failure is None):
@@ -245,12 +235,9 @@ class ValidationPeaks:
 
 
 @dataclass(frozen=True)
-class ValidationPreflight:
+class ValidationPreflight(CheckedFigures):
     """validation.json's ``preflight``: the check loading the build passed, and the peaks the validation measured."""
 
-    need: NeedFigures
-    host: HostFigures
-    estimate: EstimateFigures
     measured: ValidationPeaks
 
 

@@ -29,7 +29,7 @@ from pipeline.artifact.archive import extract_verified
 from pipeline.artifact.manifest import Manifest
 from pipeline.backends import get_backend
 from pipeline.config import ParityConfig, ThroughputConfig, section
-from pipeline.core.errors import InputError, PipelineError, StaleInputError, to_record
+from pipeline.core.errors import ErrorRecord, InputError, PipelineError, StaleInputError
 from pipeline.core.fsutil import reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
@@ -51,7 +51,6 @@ from pipeline.validation.records import (
     ReferenceRecord,
     ThroughputSummary,
     TopToken,
-    WorkerFailure,
     WorkerResult,
 )
 
@@ -375,10 +374,10 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:  # the stage process was interrupted too, and says so
         return 130
     except PipelineError as exc:  # the stage raises it again, as the same class (its message says what to fix)
-        result = WorkerResult(failure=WorkerFailure(**to_record(exc)))
+        result = WorkerResult(failure=ErrorRecord.of(exc))
     except Exception as exc:  # noqa: BLE001 - a bug: its traceback goes to the stage's log, the stage reports it
         log.exception("validation failed")
-        result = WorkerResult(failure=WorkerFailure(**to_record(exc)))
+        result = WorkerResult(failure=ErrorRecord.of(exc))
     result.write(result_path)
     return 0
 
