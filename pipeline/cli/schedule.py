@@ -1,35 +1,13 @@
 """``python -m pipeline schedule [OVERRIDE ...]``: build many variants at once on one host, as many as its memory
 allows.
 
-Each variant is three tasks, run in order: **build** (trace, package), **validate**, **publish**. A task starts when
-its variant's previous task has finished and the host has room for it:
-
-- memory: its need (the trace need for build, the validate need for validate, as the preflight derives them from the
-  checkpoint, with ``model.resources.<backend>`` overrides) fits in what running tasks leave of the budget (usable
-  RAM + swap, measured as the preflight does, or ``--memory-gib``);
-- cores: at most ``--jobs`` tasks at once (default: one per CPU core);
-- NeuronCores: a neuron build or validate holds ``tp_degree`` of them (the host's free ones, from ``neuron-ls``;
-  each task's process then leases its own, pipeline/backends/neuron_cores.py);
-- publish: one at a time (variants share one repository); host-prefill neuron builds: one at a time (their
-  compiler's rendezvous port is fixed);
-- with ``--quiet-validate`` (the default for the neuron backend), a validate runs with nothing else, so the
-  throughput it measures (and the regression gate compares) is not disturbed by compiles running beside it. The cpu
-  backend's figures are reference figures, not release ones: its validations overlap other work unless asked.
-
-Validate and publish go before new builds, so variants finish early. The shared stages (toolchain, model, reference)
-run first, once. A task that cannot fit even on an idle host runs alone, and its own preflight explains the
-shortfall. A failed task stops its variant, not the others.
-
-Tasks run in processes forked from this one (no interpreter start-up per task), each writing its log to
-``<artifacts_dir>/logs/schedule/<variant>.<task>.log``; every stage takes its usual lock, so a scheduled build can
-share ``artifacts_dir`` with other runs. Prints a table of what ran; exits 1 if any variant failed.
-
-    python -m pipeline schedule backend=cpu                      # every variant in conf/variant/
-    python -m pipeline schedule --variants 512_bf16,2048_bf16 model=gemma4_e4b hardware=inf2_8xlarge
-    python -m pipeline schedule --dry-run model=gemma4_e4b       # the needs and the budget, nothing run
-
-A dry run reads the checkpoint's config.json where it is (the model stage's copy, ``model.path``, the tiny model's
-settings, else the pinned revision's from the Hub) and runs nothing.
+Each variant is three tasks in order (build: trace and package; validate; publish), each started when the host has
+room for it: its preflight need within what running tasks leave of RAM + swap, ``--jobs`` at most, the NeuronCores
+it holds free; publishes and host-prefill neuron builds (a fixed rendezvous port) one at a time, and with
+``--quiet-validate`` (the neuron backend's default) a validation alone, so the figures the regression gate compares
+are undisturbed. The shared stages run first, once; validate and publish go before new builds, so variants finish
+early; a failed task stops its variant only. Tasks are forked from this process and log to
+``<artifacts_dir>/logs/schedule/``. docs/scale.md has the commands; ``--dry-run`` prints the needs and the budget.
 """
 
 from __future__ import annotations
