@@ -46,7 +46,7 @@ def cpu_backend(build_dir: Path, weights: Path, counts: list[int], tokens: int, 
     for _ in range(rounds):
         for n in counts:
             result = generate(build_dir, weights, "Tell me about the sea.", tokens, None, decode_threads=n)
-            seen[n].append(result["tokens_per_s"])
+            seen[n].append(result.tokens_per_s)
     return {n: statistics.median(v) for n, v in seen.items()}
 
 

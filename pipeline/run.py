@@ -251,7 +251,7 @@ def check_prompts_cover(cfg) -> None:
     (512_fp32+kv384) is refused before the hours of tracing, not after. Nothing to ask without a reference yet, or one
     made for other prompts (the reference stage makes it again, and validate asks then)."""
     from pipeline.paths import Paths
-    from pipeline.validation.records import ReferenceRecord
+    from pipeline.validation.reference_records import ReferenceRecord
     from pipeline.validation.worker import select_prompts
 
     record = ReferenceRecord.read_if_valid(Paths.of(cfg).reference)

@@ -306,6 +306,13 @@ UNTYPED = {
 }
 
 
+def _parts(hint) -> list:
+    """``hint`` and every type inside it, however deep (``tuple[dict[str, X], ...]``: tuple, dict, str, X)."""
+    import typing
+
+    return [hint, *[part for arg in typing.get_args(hint) for part in _parts(arg)]]
+
+
 def _fields_of(cls, seen: set) -> list[tuple[str, object]]:
     """Every field of the record ``cls`` and of the dataclasses it holds, as ``Class.field`` with its annotation."""
     import dataclasses
@@ -319,29 +326,26 @@ def _fields_of(cls, seen: set) -> list[tuple[str, object]]:
         if name not in {f.name for f in dataclasses.fields(cls)}:
             continue
         found.append((f"{cls.__name__}.{name}", hint))
-        for part in [hint, *typing.get_args(hint), *[a for arg in typing.get_args(hint)
-                                                     for a in typing.get_args(arg)]]:
+        for part in _parts(hint):
             found += _fields_of(part, seen)
     return found
 
 
 def test_every_record_field_is_typed_but_the_two_kept_as_written():
-    """No record holds a dict of anything or an ``Any`` but the fields ``UNTYPED`` names; a dict keyed by data (a
-    path, a package, a context) holds typed values."""
+    """No record holds ``Any``, ``object`` or an unparameterised dict or list but the fields ``UNTYPED`` names; a
+    dict keyed by data (a path, a package, a context) holds typed values."""
     import importlib
     import typing
 
     for module in ("pipeline.core.build_records", "pipeline.artifact.manifest", "pipeline.artifact.pulled",
-                   "pipeline.validation.records", "pipeline.publishing.index", "pipeline.publishing.trust",
-                   "pipeline.backends.neuron_job", "pipeline.summary", "pipeline.stages.publish"):
+                   "pipeline.validation.records", "pipeline.validation.reference_records", "pipeline.publishing.index",
+                   "pipeline.publishing.trust", "pipeline.backends.neuron_job", "pipeline.summary",
+                   "pipeline.stages.publish"):
         importlib.import_module(module)
     seen: set = set()
-    loose = []
-    for cls in _records(records.Record):
-        for where, hint in _fields_of(cls, seen):
-            parts = [hint, *typing.get_args(hint), *[a for arg in typing.get_args(hint) for a in typing.get_args(arg)]]
-            if any(part is typing.Any or part is dict for part in parts) and where not in UNTYPED:
-                loose.append(f"{where}: {hint}")
+    loose = [f"{where}: {hint}" for cls in _records(records.Record) for where, hint in _fields_of(cls, seen)
+             if any(part in (typing.Any, object, dict, list, tuple) for part in _parts(hint))
+             and where not in UNTYPED]
     assert not loose, "\n".join(loose)
 
 

@@ -102,7 +102,6 @@ def test_the_record_is_rewritten_only_when_it_changes(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["system_packages"] == {"aws-neuronx-runtime-lib": "2.28.0.0"}
 
 
-
 def test_a_broken_record_stops_the_trace_naming_the_file_the_key_and_the_fix(tmp_path):
     """toolchain.json is a ToolchainRecord (tests/test_records.py reads it back byte for byte): a record with a key
     this release does not know, or without one it needs, stops the trace before any work."""

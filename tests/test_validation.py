@@ -234,7 +234,7 @@ def test_the_worker_reads_its_job_back_typed_as_the_stage_configured_it(project)
     from pipeline.config import ParityMode, ThroughputConfig
     from pipeline.stages import package
     from pipeline.stages import validate as validate_stage
-    from pipeline.validation.records import ReferenceRecord
+    from pipeline.validation.reference_records import ReferenceRecord
     from pipeline.validation.worker import ValidationJob
 
     cfg = config(project, *FAST_VALIDATE, "validate.parity.bf16=teacher_forced",
@@ -366,6 +366,25 @@ def test_the_validation_process_result_is_read_strictly():
             WorkerResult.from_bytes(json.dumps(data).encode(), "the validation process's result")
 
 
+def test_a_result_with_figures_that_are_not_numbers_is_read(project, tmp_path):
+    """A broken build's figures can be NaN or infinite: the stage still reads what its validation process measured
+    (and reports the parity failure), as before the result was typed."""
+    from dataclasses import fields
+
+    from pipeline.stages import validate
+    from pipeline.validation.records import Measured, ValidationRecord, WorkerResult
+
+    report = ValidationRecord.read(Paths(project, "gemma4_tiny", "512_fp32").validation_report)
+    measured = Measured(**{f.name: getattr(report, f.name) for f in fields(Measured)})
+    data = WorkerResult(metrics=measured).to_json()
+    data["metrics"]["throughput"]["tokens_per_s"] = float("nan")
+    data["metrics"]["parity"]["max_abs_dlogit"] = float("inf")
+    (tmp_path / "result.json").write_text(json.dumps(data))  # as the worker writes it: NaN and Infinity
+    result = validate.read_result(tmp_path / "result.json")
+    assert result.metrics.throughput.tokens_per_s != result.metrics.throughput.tokens_per_s  # NaN
+    assert result.metrics.parity.max_abs_dlogit == float("inf")
+
+
 # -- bad input, refused before anything is loaded ---------------------------------------------------------------
 
 @pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference
@@ -402,7 +421,7 @@ BROKEN_REFERENCES = [
 def test_the_reference_record_is_read_strictly_and_writes_the_same_bytes(project, tmp_path):
     """reference.json is a typed record: what the reference stage wrote reads back and writes the same bytes; an
     edited one is refused by validate naming the file, the key and the fix, and the reference stage makes it again."""
-    from pipeline.validation.records import ReferenceRecord
+    from pipeline.validation.reference_records import ReferenceRecord
 
     path = project / "gemma4_tiny" / "reference.json"
     written = read_json(path)
@@ -441,7 +460,8 @@ def test_a_stale_reference_is_named(project, tmp_path):
 def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     """A custom variant whose bucket no prompt comes near must get prompts added, not a vacuous pass."""
     from pipeline.core.shape import BuildShape
-    from pipeline.validation.records import Coverage, ReferenceRecord
+    from pipeline.validation.records import Coverage
+    from pipeline.validation.reference_records import ReferenceRecord
     from pipeline.validation.worker import select_prompts
 
     prompts = ReferenceRecord.read(project / "gemma4_tiny" / "reference.json").prompts

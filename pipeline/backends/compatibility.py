@@ -83,7 +83,7 @@ def _judge_torch(built: str | None, host: str | None) -> Verdict:
 
 
 def _judge_neuron(built: ToolchainRecord, host: ToolchainRecord) -> Verdict:
-    want, have = _package_versions(built), _package_versions(host)
+    want, have = built.wheel_versions(), host.wheel_versions()
     want_release, have_release = neuron_sdk.identify(want), neuron_sdk.identify(have)
     install = neuron_sdk.INSTALL.format(release=want_release.release if want_release else neuron_sdk.PINNED)
     if not have.get("torch-neuronx"):
@@ -121,11 +121,6 @@ def _runtime_problem(built: ToolchainRecord, host: ToolchainRecord) -> str | Non
     if want is None or have is None or have >= want:
         return None
     return f"this host's {RUNTIME_PACKAGE} {have} is older than the {want} the version was validated with"
-
-
-def _package_versions(toolchain: ToolchainRecord) -> dict[str, str | None]:
-    # The installed wheels' versions (not neuronx-cc's build hash): what the SDK's release table lists.
-    return {name: entry.version for name, entry in toolchain.packages.items()}
 
 
 def _listed(versions: dict[str, str | None]) -> str:

@@ -6,7 +6,8 @@ room for it: its preflight need within what running tasks leave of RAM + swap, `
 it holds free; publishes and host-prefill neuron builds (a fixed rendezvous port) one at a time, and with
 ``--quiet-validate`` (the neuron backend's default) a validation alone, so the figures the regression gate compares
 are undisturbed. The shared stages run first, once; validate and publish go before new builds, so variants finish
-early; a failed task stops its variant only. Tasks are forked from this process and log to
+early; a task too big even for an idle host runs alone (its own preflight says why it cannot), and a failed task
+stops its variant only. Tasks are forked from this process and log to
 ``<artifacts_dir>/logs/schedule/``. docs/scale.md has the commands; ``--dry-run`` prints the needs and the budget.
 """
 

@@ -56,13 +56,19 @@ class ToolchainRecord(Record):
     """The host's ``aws-neuronx-*`` packages (driver, runtime), by name."""
 
     def version(self, package: str) -> str | None:
-        """A Python package's version; None when it is not installed or not one the record looks for."""
+        """A Python package's version (its wheel's); None when it is not installed or not one the record looks
+        for."""
         found = self.packages.get(package)
         return found.version if found else None
 
-    def versions(self) -> dict[str, str | None]:
-        """Every package's version, neuronx-cc's with its build hash where the record knows it."""
-        found = {name: entry.version for name, entry in self.packages.items()}
+    def wheel_versions(self) -> dict[str, str | None]:
+        """Every package's version as its wheel's metadata gives it (what a Neuron SDK release lists)."""
+        return {name: entry.version for name, entry in self.packages.items()}
+
+    def compiler_versions(self) -> dict[str, str | None]:
+        """Every package's version, neuronx-cc's with its build hash where the record knows it (what a build's
+        ``compiler.versions`` records)."""
+        found = self.wheel_versions()
         if self.neuronx_cc.version:
             found["neuronx-cc"] = self.neuronx_cc.version
         return found

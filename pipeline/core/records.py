@@ -3,13 +3,13 @@ read back typed.
 
 A stage hashes everything that determines its outputs (its config section, its inputs' own fingerprints or
 digests, the toolchain, the code that computes it) into a fingerprint, and writes it into its record (build.json,
-manifest.json, metrics.json, ...) last. The outputs are fresh when the record exists, carries the same fingerprint
+manifest.json, metrics.json, ...) last. The outputs are fresh when the record reads, carries the same fingerprint
 and every output it names is present, exactly as DVC decides it from dvc.lock.
 
-``Record`` is the base of the typed records (pipeline/core/build_records.py, pipeline/artifact/manifest.py): a
-dataclass whose annotated fields are its schema. Its reader checks every key and type against them (and the record's
-own ``problems``) and refuses a record with a missing, unknown or wrong-typed key, naming the file, the key and the
-fix; its writer writes only what the reader accepts.
+``Record`` is the base of every typed record (pipeline/core/build_records.py, pipeline/artifact/manifest.py,
+pipeline/validation/records.py, ...): a dataclass whose annotated fields are its schema. Its reader checks every key
+and type against them (and the record's own ``problems``) and refuses a record with a missing, unknown or
+wrong-typed key, naming the file, the key and the fix; its writer writes only what the reader accepts.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 from pipeline.core import jsonio
 from pipeline.core.choices import values
 from pipeline.core.errors import PipelineError
-from pipeline.core.fsutil import atomic_write_json, canonical_json, read_json, sha256_bytes
+from pipeline.core.fsutil import atomic_write_json, canonical_json, sha256_bytes
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/: the code tables name paths under it
 
@@ -70,27 +70,6 @@ def code_digest(*relative: str) -> str:
             digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
             digest.update(_semantic_source(path).encode() + b"\0")
     return digest.hexdigest()
-
-
-def read_record(path: Path) -> dict | None:
-    try:
-        return read_json(path)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def is_fresh(record_path: Path, fp: str, outputs: list[Path] = ()) -> bool:
-    record = read_record(record_path)
-    return bool(record) and record.get("fingerprint") == fp and all(Path(p).exists() for p in outputs)
-
-
-def require_record(path: Path, stage: str, *also: Path) -> dict:
-    """A stage's record (and the outputs it describes), or an error saying which stage makes them."""
-    record = read_record(path)
-    missing = [str(p) for p in (path, *also) if not Path(p).exists()]
-    if record is None or missing:
-        raise PipelineError(f"{', '.join(missing) or path} missing or unreadable: run stage={stage} first")
-    return record
 
 
 # -- typed records --------------------------------------------------------------------------------------------------

@@ -60,13 +60,15 @@ STAGES = (  # in the order they run
     Stage("toolchain", StageScope.host, None, ("stages/toolchain.py", "core/versions.py", "backends/__init__.py")),
     Stage("model", StageScope.model, None, ("stages/model.py", "models", "recipe/spec.py", "recipe/checkpoint.py")),
     Stage("reference", StageScope.model, None, ("stages/reference.py", "validation/prompts.py", "validation/parity.py",
-                                                "validation/records.py", "models/texts.py", "recipe/spec.py")),
+                                                "validation/reference_records.py", "models/texts.py",
+                                                "recipe/spec.py")),
     Stage("trace", StageScope.variant, "build", ("stages/trace.py", "core/shape.py", "recipe", "backends")),
     Stage("package", StageScope.variant, "build", ("stages/package.py", "artifact")),
     Stage("validate", StageScope.variant, "validate", ("stages/validate.py", "core/shape.py", "validation", "artifact",
                                                        "recipe", "backends")),
     Stage("publish", StageScope.variant, "publish", ("stages/publish.py", "publishing", "artifact",
-                                                     "backends/registry.py", "validation/records.py")),
+                                                     "backends/registry.py", "validation/records.py",
+                                                     "validation/reference_records.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 ORDER = tuple(BY_NAME)

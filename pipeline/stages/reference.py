@@ -3,9 +3,10 @@
 The reference is Hugging Face ``transformers`` on the CPU in fp32 with eager attention: none of the recipe's code.
 It is independent of the compiler, so compiler upgrades reuse it.
 
-Writes ``artifacts/<model>/reference.json`` (``ReferenceRecord``, pipeline/validation/records.py: the prompts, their
-token ids, the reference's generated ids, versions, fingerprint) and ``reference.safetensors`` (per prompt: the
-top-``k`` logits in fp32 with their token ids, and every logit in fp16), so validation never reruns the float model.
+Writes ``artifacts/<model>/reference.json`` (``ReferenceRecord``, pipeline/validation/reference_records.py: the
+prompts, their token ids, the reference's generated ids, versions, fingerprint) and ``reference.safetensors`` (per
+prompt: the top-``k`` logits in fp32 with their token ids, and every logit in fp16), so validation never reruns the
+float model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pipeline.stages import model as model_stage
 from pipeline.stages.toolchain import package_version
 from pipeline.validation.parity import logits_of
 from pipeline.validation.prompts import build_prompts
-from pipeline.validation.records import (
+from pipeline.validation.reference_records import (
     DtypeNoise,
     LogitsFile,
     Prompt,

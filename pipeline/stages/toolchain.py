@@ -134,7 +134,7 @@ def run(cfg: PipelineConfig) -> StageResult:
     record = collect(backend)
     path = Paths.of(cfg).toolchain
     changed = write_json_if_changed(path, record.to_json())
-    present = {name: version for name, version in record.versions().items() if version}
+    present = {name: version for name, version in record.compiler_versions().items() if version}
     log.info("toolchain: backend %s, %s, %d aws-neuronx packages (%s)", record.backend, present,
              len(record.system_packages), "changed, rewrote " + str(path) if changed else "unchanged")
     # It always looks; it "ran" only when the record changed (a run that changes nothing says "ran nothing").

@@ -139,7 +139,7 @@ def inputs_digest(cfg: PipelineConfig, model_record: ModelRecord, toolchain: Too
     packages, another backend's code, transformers): such a rebuild gives the same files under the same version, and
     publishing it is a no-op.
     """
-    versions, entry = toolchain.versions(), backend_entry(backend)
+    versions, entry = toolchain.compiler_versions(), backend_entry(backend)
     return fingerprint(build_settings(cfg, model_record, backend) | {
         "packages": {name: versions.get(name) for name in entry.build_packages},
         "code": code_digest(*entry.build_code),
@@ -185,7 +185,7 @@ def run(cfg: PipelineConfig) -> StageResult:
         variant=Variant(**asdict(cfg.variant)),
         backend=backend,
         layout=traced.layout,
-        compiler=Compiler(compiler_id, req.compiler_args, toolchain.versions()),
+        compiler=Compiler(compiler_id, req.compiler_args, toolchain.compiler_versions()),
         toolchain=toolchain,
         preflight=TracePreflight(*passed.figures(), TracePeaks(peak_rss_bytes(), traced.peak_rss_bytes,
                                                                sum(m.size for m in traced.members))),
@@ -196,7 +196,6 @@ def run(cfg: PipelineConfig) -> StageResult:
     log.info("trace: %s built in %.1f s, peak RSS %.2f GB", cfg.variant.name, time.monotonic() - started,
              traced.peak_rss_bytes / 1e9)
     return StageResult("trace", StageStatus.ran, time.monotonic() - started)
-
 
 
 def load(cfg: PipelineConfig) -> BuildRecord:

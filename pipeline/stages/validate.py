@@ -55,7 +55,6 @@ from pipeline.validation.records import (
     Measured,
     Metrics,
     PromptVerdict,
-    ReferenceRecord,
     ThroughputGate,
     ThroughputSummary,
     TopToken,
@@ -64,6 +63,7 @@ from pipeline.validation.records import (
     ValidationRecord,
     WorkerResult,
 )
+from pipeline.validation.reference_records import ReferenceRecord
 from pipeline.validation.worker import ValidationJob, select_prompts
 
 TAIL_LINES = 20  # of the worker's output, in the error when it could not run
@@ -94,6 +94,13 @@ def metrics_fingerprint(cfg: PipelineConfig, manifest: Manifest, reference_finge
     })
 
 
+def read_result(path: Path) -> WorkerResult:
+    """The validation process's RESULT.json, read strictly but by json's own reader: it is our own child's file, and
+    the figures of a broken build can be NaN or infinite, which the bounded reader for files from outside refuses
+    (a parity failure must say so, not that the result is unreadable)."""
+    return WorkerResult.from_json(json.loads(path.read_text()), "the validation process's result")
+
+
 def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need: preflight.Need | None = None,
               env: dict | None = None) -> Measured:
     """Run the validation job in a new interpreter; returns its metrics or raises what it raised.
@@ -119,7 +126,7 @@ def run_fresh(job: ValidationJob, host: preflight.Resources | None = None, need:
         if not result_path.exists():
             raise PipelineError(f"validation could not run: the validation process exited with code "
                                 f"{proc.returncode} without a result; its last lines:\n" + "\n".join(tail))
-        result = WorkerResult.from_bytes(result_path.read_bytes(), "the validation process's result")
+        result = read_result(result_path)
     if result.failure is not None:
         failure = result.failure
         raise failure.raised_again() or PipelineError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pipeline.validation.records import DtypeNoise, SliceErrors
+from pipeline.validation.reference_records import DtypeNoise, SliceErrors
 
 SLICES = tuple(f.name for f in fields(SliceErrors))
 SLICE_K = {"top5": 5, "top50": 50, "top1000": 1000, "all": None}

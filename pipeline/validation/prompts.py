@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.config import PromptConfig
 from pipeline.models.texts import PASSAGES
-from pipeline.validation.records import Prompt
+from pipeline.validation.reference_records import Prompt
 
 
 def messages_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -1,7 +1,6 @@
-"""What validation judges against and what it measured, typed: the float reference (``ReferenceRecord``,
-``reference.json``, written by the reference stage), the validation process's result (``WorkerResult``, RESULT.json,
-holding ``Measured``) and the validate stage's record of it with its gates (``ValidationRecord``, ``validation.json``),
-read by publish, the multirun summary and ``neuron-check``.
+"""What validation measured, typed: the validation process's result (``WorkerResult``, RESULT.json, holding
+``Measured``) and the validate stage's record of it with its gates (``ValidationRecord``, ``validation.json``), read by
+publish, the multirun summary and ``neuron-check``; what it judges against is pipeline/validation/reference_records.py.
 
 Each is a ``Record`` (pipeline/core/records.py): read through its class, which refuses a missing, unknown or
 wrong-typed key by name. On disk each is exactly its fields as JSON, keys sorted; a validation record is the
@@ -12,11 +11,12 @@ build.json.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from pipeline.core.build_records import CheckedFigures, HostFigures, NeedFigures
+from pipeline.core.build_records import CheckedFigures
 from pipeline.core.errors import ErrorRecord, InputError, PipelineError, PublishError
 from pipeline.core.records import Record
+from pipeline.validation.reference_records import SliceErrors
 
 
 @dataclass(frozen=True)
@@ -82,21 +82,6 @@ class PeakRss:
 
     ranks: float | None
     host: float
-
-
-@dataclass(frozen=True)
-class SliceErrors:
-    """One logit error per slice of the reference's ranking (pipeline/validation/parity.py): over its top 5, 50 and
-    1000 tokens, and over every token."""
-
-    top5: float
-    top50: float
-    top1000: float
-    all: float
-
-    def items(self) -> list[tuple[str, float]]:
-        """(slice, error) in the slices' order, narrowest first."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
 @dataclass(frozen=True)
@@ -321,98 +306,3 @@ class ValidationSummary(Record):
     def of(cls, report: ValidationRecord) -> ValidationSummary:
         return cls(report.parity, report.throughput, report.contexts, report.gates, report.backend, report.hardware,
                    report.throughput_gate.floor)
-
-
-# -- the float reference --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Prompt:
-    """A validation prompt (pipeline/validation/prompts.py): its name and token budget, its text and its chat-templated
-    token ids."""
-
-    name: str
-    max_tokens: int
-    text: str
-    input_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DtypeNoise:
-    """transformers' own model at a lower dtype, teacher-forced on the fp32 continuation: its logit errors against
-    fp32 (the noise a build of that dtype is judged against), how many steps chose another token, and of how many."""
-
-    relative: SliceErrors
-    absolute: SliceErrors
-    divergences: int
-    steps: int
-
-
-@dataclass(frozen=True)
-class ReferencePrompt(Prompt):
-    """A prompt with the reference's greedy continuation, and the dtype noise per dtype (``bf16``)."""
-
-    output_ids: tuple[int, ...]
-    stopped_on_eos: bool
-    dtype_noise: dict[str, DtypeNoise]
-
-    @classmethod
-    def of(cls, prompt: Prompt, output_ids: list[int], stopped_on_eos: bool,
-           dtype_noise: dict[str, DtypeNoise]) -> ReferencePrompt:
-        return cls(**{f.name: getattr(prompt, f.name) for f in fields(Prompt)}, output_ids=tuple(output_ids),
-                   stopped_on_eos=stopped_on_eos, dtype_noise=dtype_noise)
-
-
-@dataclass(frozen=True)
-class ReferenceModel:
-    name: str
-    weights_digest: str
-
-
-@dataclass(frozen=True)
-class LogitsFile:
-    """reference.safetensors: its name beside reference.json and its sha256."""
-
-    name: str
-    sha256: str
-
-
-@dataclass(frozen=True)
-class ReferenceVersions:
-    torch: str
-    transformers: str
-    pipeline: str
-
-
-@dataclass(frozen=True)
-class ReferencePeak:
-    peak_rss_bytes: int
-
-
-@dataclass(frozen=True)
-class ReferencePreflight:
-    """The host checked for what the float model needs (pipeline/host/preflight.py), beside the peak it took."""
-
-    need: NeedFigures
-    host: HostFigures
-    measured: ReferencePeak
-
-
-@dataclass(frozen=True)
-class ReferenceRecord(Record):
-    """``reference.json``: the float reference's greedy continuation of every validation prompt (its logits are in
-    reference.safetensors, ``logits_file``), what made it, and its fingerprint (pipeline/stages/reference.py)."""
-
-    KIND = "reference record"
-    MAKE = "run stage=reference first"
-    FIX = "It was written by another release of the pipeline, or edited: run stage=reference force=true"
-    ERROR = PipelineError
-
-    fingerprint: str
-    model: ReferenceModel
-    max_new_tokens: int
-    top_k: int
-    prompts: tuple[ReferencePrompt, ...]
-    logits_file: LogitsFile
-    versions: ReferenceVersions
-    eos_token_ids: tuple[int, ...]
-    preflight: ReferencePreflight

@@ -41,18 +41,15 @@ from pipeline.validation.records import (
     Costs,
     Coverage,
     Divergence,
-    DtypeNoise,
     Measured,
     ParitySummary,
     PeakRss,
-    Prompt,
     PromptVerdict,
-    ReferencePrompt,
-    ReferenceRecord,
     ThroughputSummary,
     TopToken,
     WorkerResult,
 )
+from pipeline.validation.reference_records import DtypeNoise, Prompt, ReferencePrompt, ReferenceRecord
 
 CONTEXT = 12  # tokens shown either side of a divergence in the failure report
 TOP_SHOWN = 5
