@@ -425,6 +425,39 @@ pull(LocalSource(Path({str(repo)!r})), {version!r}, Path({str(dest)!r}), None, T
                                                             pulled.name + ".pulled.json"])
 
 
+
+def test_a_pull_starting_beside_another_never_removes_its_new_work_folder(tmp_path, monkeypatch):
+    """Between a pull's mkdtemp and its flock, its new work folder is not locked yet: another pull sweeping then must
+    wait, not take it for a killed pull's and remove it (CI saw it: of two pulls started at once, one lost its
+    folder's manifest.json)."""
+    import tempfile
+    import threading
+
+    from pipeline.cli import pull as pull_module
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    real_mkdtemp = tempfile.mkdtemp
+    others: list[threading.Thread] = []
+
+    def another_pull() -> None:
+        with pull_module.work_folder(dest):
+            pass
+
+    def mkdtemp_then_another_pull_starts(**kwargs):
+        made = real_mkdtemp(**kwargs)
+        if not others:  # the first pull's folder exists, unlocked: the other pull sweeps now (or waits for it)
+            others.append(threading.Thread(target=another_pull))
+            others[0].start()
+            others[0].join(timeout=1.5)
+        return made
+
+    monkeypatch.setattr(pull_module.tempfile, "mkdtemp", mkdtemp_then_another_pull_starts)
+    with pull_module.work_folder(dest) as work:
+        assert work.is_dir()
+    others[0].join(timeout=30)
+    assert not others[0].is_alive() and not any(dest.glob(".pull.tmp-*"))
+
 # -- publish over a published version -------------------------------------------------------------------------------
 
 def corrupt_published_archive(repo: Path, version: str, archive_name: str) -> None:

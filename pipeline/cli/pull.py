@@ -337,6 +337,7 @@ def pull(source, name: str, dest: Path, public_key: str | None, allow_unsigned: 
 
 
 WORK_PREFIX = f".pull{TMP_MARK}"
+WORK_LOCK = "work-folders"  # never a version's lock: those are "pull-..."
 
 
 @contextmanager
@@ -345,14 +346,17 @@ def work_folder(dest: Path) -> Iterator[Path]:
     the pull runs: the kernel lets go when the pull dies, however it dies, so the next pull removes what a killed one
     left (its lock is free: a whole version's size, the archive and the half-unpacked rank directory are in there)
     and never a running one's (its lock is held)."""
-    for left in sorted(dest.glob(f"{WORK_PREFIX}*")):
-        if left.is_dir() and not left.is_symlink() and not held_by_a_pull(left):
-            log.info("pull: removing %s, left by a pull that was killed", left)
-            shutil.rmtree(left, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(dir=dest, prefix=WORK_PREFIX))
-    lock = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
-    try:
+    # The sweep and a new folder's lock are one step under a lock of the whole folder: otherwise another pull's sweep
+    # can find this folder between mkdtemp and flock, unlocked, and remove it under us.
+    with locking.held(dest, WORK_LOCK):
+        for left in sorted(dest.glob(f"{WORK_PREFIX}*")):
+            if left.is_dir() and not left.is_symlink() and not held_by_a_pull(left):
+                log.info("pull: removing %s, left by a pull that was killed", left)
+                shutil.rmtree(left, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(dir=dest, prefix=WORK_PREFIX))
+        lock = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
