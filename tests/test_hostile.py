@@ -425,7 +425,6 @@ pull(LocalSource(Path({str(repo)!r})), {version!r}, Path({str(dest)!r}), None, T
                                                             pulled.name + ".pulled.json"])
 
 
-
 def test_a_pull_starting_beside_another_never_removes_its_new_work_folder(tmp_path, monkeypatch):
     """Between a pull's mkdtemp and its flock, its new work folder is not locked yet: another pull sweeping then must
     wait, not take it for a killed pull's and remove it (CI saw it: of two pulls started at once, one lost its
@@ -457,6 +456,7 @@ def test_a_pull_starting_beside_another_never_removes_its_new_work_folder(tmp_pa
         assert work.is_dir()
     others[0].join(timeout=30)
     assert not others[0].is_alive() and not any(dest.glob(".pull.tmp-*"))
+
 
 # -- publish over a published version -------------------------------------------------------------------------------
 
