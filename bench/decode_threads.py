@@ -10,7 +10,7 @@ Two measurements, each thread count in turn per round (``--rounds``), medians:
                 262,144 x 42 x 256, bf16, scaled as HostEmbeddings does), and the argmax of 262,144 logits.
 
 Prints tokens/s (steps/s for the host share) per count and the ratio against 1 thread, the default
-(validation/generation.py ``DECODE_THREADS``; validate.throughput.decode_threads and ``--decode-threads`` set it).
+(decoding/runner.py ``DECODE_THREADS``; validate.throughput.decode_threads and ``--decode-threads`` set it).
 
     python bench/decode_threads.py [--variant 512_fp32] [--tokens 48] [--rounds 3]
 """
@@ -53,7 +53,7 @@ def cpu_backend(build_dir: Path, weights: Path, counts: list[int], tokens: int, 
 def host_share(counts: list[int], steps: int, rounds: int) -> dict[int, float]:
     import torch
 
-    from pipeline.validation.generation import torch_threads
+    from pipeline.decoding.runner import torch_threads
 
     # Untouched pages cost nothing: only the rows a step reads are ever faulted in, as with the mapped checkpoint.
     embed = torch.empty(VOCAB, HIDDEN, dtype=torch.bfloat16)
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from pipeline.validation.generation import usable_cpus
+    from pipeline.host.procinfo import usable_cpus
 
     counts = sorted({1, 2, usable_cpus()})
     report(f"host share of a decode step at E4B's widths ({args.steps} steps, median of {args.rounds}):", "steps/s",

@@ -28,7 +28,7 @@ E4B_LAYERS = 42
 
 
 def timed(prefill, prompt: list[int], threads: int, runs: int) -> float:
-    from pipeline.validation.generation import torch_threads
+    from pipeline.decoding.runner import torch_threads
 
     seconds = []
     with torch_threads(threads):
@@ -50,10 +50,10 @@ def main() -> None:
     import torch
 
     from bench.rank_weights_rss import write_checkpoint
+    from pipeline.decoding.runner import host_prefill_threads
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostPrefill
     from pipeline.recipe.spec import load_spec
-    from pipeline.validation.generation import host_prefill_threads
 
     with tempfile.TemporaryDirectory(prefix="host-prefill-") as tmp:
         path = Path(tmp) / "e4b-widths"

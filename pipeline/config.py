@@ -318,7 +318,7 @@ class ThroughputConfig:
     runs: int = 2
     warmup_runs: int = 1
     decode_threads: int = 1
-    """torch's threads on the host for each decode step (validation/generation.py DECODE_THREADS, the default:
+    """torch's threads on the host for each decode step (decoding/runner.py DECODE_THREADS, the default:
     bench/decode_threads.py measured the choice)."""
     floors: dict[Backend, dict[str, FloorConfig]] = field(default_factory=dict)
     """``floors.<backend>.<hardware>``; the hardware name ``any`` matches every hardware of that backend."""

@@ -58,6 +58,16 @@ def edited_checkpoint(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+def device_prefill_variants() -> list[str]:
+    """The named variants whose prefill runs on the device (conf/variant/*.yaml, by their ``prefill`` field)."""
+    import yaml
+
+    from pipeline.config import available_variants
+
+    return [v for v in available_variants(CONF)
+            if yaml.safe_load((CONF / "variant" / f"{v}.yaml").read_text())["prefill"] == "device"]
+
+
 def config(artifacts: Path, *overrides: str, variant: str | None = "512_fp32") -> PipelineConfig:
     backend = [] if any(o.startswith("backend=") for o in overrides) else ["backend=cpu"]
     args = [f"artifacts_dir={artifacts}", *backend, *overrides]

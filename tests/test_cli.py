@@ -30,9 +30,9 @@ def existing_artifacts(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["+variant=nope"], "variant=nope is not one of ['2048_bf16', '2048_bf16_host'"),
-    ([], "add +variant=NAME (one of 2048_bf16, 2048_bf16_host, 2048_fp32, 256_bf16_host, 512_bf16, 512_bf16_host, "
-         "512_fp32)"),
+    (["+variant=nope"], "variant=nope is not one of ['2048_bf16', '2048_bf16_bs4', '2048_bf16_host'"),
+    ([], "add +variant=NAME (one of 2048_bf16, 2048_bf16_bs4, 2048_bf16_host, 2048_bf16_host_bs4, 2048_fp32, "
+         "256_bf16_host, 512_bf16, 512_bf16_host, 512_fp32)"),
     (["stage=trace"], "stage 'trace' builds one variant: add +variant=NAME"),
     (["+variant=512_bf16", "validate.max_new_tokns=3"], "did you mean 'validate.max_new_tokens'?"),
     (["+variant=512_bf16", "variant.kv_max=lots"], "variant.kv_max: Value 'lots' of type 'str' could not be converted"),

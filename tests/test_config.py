@@ -238,5 +238,6 @@ def test_the_derived_spelling_covers_every_shape_field_in_order():
         spelled_fields(Wider)
     with pytest.raises(ConfigError, match=r"write \+variant=512_bf16\+kv1024\+fp32"):
         expand_derived("+variant=512_bf16+fp32+kv1024")
-    with pytest.raises(ConfigError, match=r"'q8' is not a field .*kv<N>, b<N>, bf16 or fp32, device or host, tp<N>"):
+    with pytest.raises(ConfigError,
+                       match=r"'q8' is not a field .*kv<N>, b<N>, bf16 or fp32, device or host, tp<N>, bs<N>"):
         expand_derived("+variant=512_bf16+q8")

@@ -71,7 +71,7 @@ def quicker_validation(dst: Path) -> None:
 def as_sweep_stage(stage: dict) -> dict:
     """A named per-variant stage as its sweep_ twin: over sweep.base, each knob passed (params.yaml's sweep, `base`
     for the base's own value), every path in the sweep's folder."""
-    knobs = " ".join(f"variant.{k}=${{sweep.{k}}}" for k in ("kv_max", "bucket", "dtype", "prefill"))
+    knobs = " ".join(f"variant.{k}=${{sweep.{k}}}" for k in ("kv_max", "bucket", "dtype", "prefill", "batch_size"))
     text = json.dumps(stage["do"]).replace("${model}/${item}/", "${model}/sweep-${item}/").replace(
         "plots/${item}.json", "plots/sweep-${item}.json").replace(
         "+variant=${item} ", f"+variant=${{item}} {knobs} variant_folder=sweep-${{item}} ")

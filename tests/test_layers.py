@@ -22,6 +22,7 @@ LAYERS = (
     ("config", "config_errors", "paths"),
     ("host",),
     ("backends",),
+    ("decoding",),
     ("validation",),
     ("serving",),
     ("publishing",),

@@ -23,7 +23,7 @@ import torch
 
 from pipeline.backends import neuron_sdk
 from pipeline.backends.aliased_rank import AliasedRank
-from pipeline.backends.base import example_inputs
+from pipeline.backends.base import entry_inputs, graph_inputs
 from pipeline.backends.neuron_job import make_job
 from pipeline.backends.neuron_rank import (
     compiler_arg_string,
@@ -35,9 +35,10 @@ from pipeline.backends.neuron_rank import (
 )
 from pipeline.config import available_variants
 from pipeline.core.shape import BuildShape
+from pipeline.decoding.engine import BatchEngine
 
 from .contracts import extract_nxd_api as extract
-from .helpers import CONF, neuron_config, tomllib
+from .helpers import CONF, device_prefill_variants, neuron_config, tomllib
 
 # What differs between versions: the neuron backend's graphs and checkpoint on torch.
 # make test-production runs these, and make test-lowest where a distribution named is at another version than
@@ -196,9 +197,10 @@ class RecordingRunner:
         self.shape, self.spec, self.calls = shape, spec, []
 
     def _record(self, entry, *inputs):
+        inputs = graph_inputs(self.shape, *inputs)  # seq_ids at batch above 1, as every runner passes them
         self.calls.append((entry, router_key(inputs)))
-        vocab = self.spec.vocab_size
-        return torch.zeros(1, vocab), torch.zeros(1, dtype=torch.long)
+        rows = inputs[0].shape[0]
+        return torch.zeros(rows, self.spec.vocab_size), torch.zeros(rows, dtype=torch.long)
 
     def prefill(self, *inputs):
         return self._record("prefill", *inputs)
@@ -210,7 +212,7 @@ class RecordingRunner:
         pass
 
 
-@pytest.mark.parametrize("variant", [v for v in available_variants(CONF) if not v.endswith("_host")])
+@pytest.mark.parametrize("variant", device_prefill_variants())
 def test_every_shape_the_generator_produces_routes_to_a_traced_bucket(tiny_dir, variant, prompts):
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings
@@ -219,13 +221,15 @@ def test_every_shape_the_generator_produces_routes_to_a_traced_bucket(tiny_dir, 
 
     shape = neuron_config(Path("/nonexistent"), variant).variant.shape
     spec = load_spec(tiny_dir)
-    traced = {key: router_key(example_inputs(spec, tokens)) for key, tokens in model_builder_plan(shape)}
+    traced = {key: router_key(entry_inputs(spec, shape, key)) for key in model_builder_plan(shape)}
     assert len(set(traced.values())) == len(traced)  # prefill and decode route apart
     runner = RecordingRunner(shape, spec)
     with Checkpoint(tiny_dir, "model.") as ckpt:
         gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id)
         for ids in prompts:  # shorter than a bucket, about three buckets, about five
             gen.generate(ids, 4, forced=[5, 6, 7, 8])
+        # and all at once, as serve and validation decode a batch (more sequences than lines: some wait)
+        BatchEngine(gen.batch).run(*[gen.sequence(ids, 4) for ids in prompts * shape.batch_size])
     assert {entry for entry, _ in runner.calls} == {"prefill", "decode"}
     for entry, key in runner.calls:
         assert key == traced[entry], f"a {entry} call with shapes {key} matches no traced bucket {traced}"

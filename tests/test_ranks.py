@@ -38,7 +38,7 @@ def _toy_rank(rank: int, processes: int, init_file: str, job: ServeJob, conn) ->
         return logits, torch.argmax(logits, dim=-1)
 
     try:
-        serve_commands(conn, rank, step, seed=state.extend, reset=state.clear)
+        serve_commands(conn, rank, step, seed=lambda values, line: state.extend(values), reset=state.clear)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, as every rank main does
         report_failure(conn, exc)
 

@@ -146,6 +146,8 @@ def test_metrics_hold_the_headline_figures_only(project):
         "tokens_per_s": {"short": report["contexts"]["short"]["tokens_per_s"]},
         "ttft_ms": {"short": report["contexts"]["short"]["ttft_ms"]},
         "peak_rss_mb": report["peak_rss_mb"],
+        "concurrency": {"1": {key: report["concurrency"]["1"][key]  # one sequence in flight: a batch-1 build's batch
+                              for key in ("aggregate_tokens_per_s", "tokens_per_s", "ms_per_token", "ttft_ms")}},
     }
 
 
@@ -183,7 +185,7 @@ def test_metrics_receipt_and_a_jobs_outcome_are_read_strictly_and_write_the_same
 # The keys validation.json had before it was typed: existing validations have exactly these.
 VALIDATION_KEYS = {"fingerprint", "version", "archive_sha256", "backend", "hardware", "coverage", "signature",
                    "preflight", "gates", "throughput_gate", "parity", "throughput", "contexts", "costs_s",
-                   "peak_rss_mb", "threads", "prompts"}
+                   "peak_rss_mb", "threads", "prompts", "concurrency"}
 
 
 def test_the_validation_record_reads_back_to_its_json_and_writes_the_same_bytes(project, tmp_path):
@@ -478,10 +480,12 @@ def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypa
     thread and 1.4 s on 32, so a prefill left at the validation process's one thread would be gated (and served)
     several times slower than the host allows. Each phase's thread count is seen from inside it."""
     from pipeline.core.shape import BuildShape
+    from pipeline.decoding import runner
     from pipeline.validation import generation
     from pipeline.validation.records import ThreadPolicy
 
     monkeypatch.setattr(generation, "usable_cpus", lambda: 7)
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 7)
     seen: dict[str, list[int]] = {"prefill": [], "decode": []}
     shape = BuildShape(64, 16, "bf16", "host", 2)
     vocab = 11
@@ -490,10 +494,10 @@ def test_host_prefill_runs_on_every_usable_cpu_and_decode_on_one_thread(monkeypa
         def __init__(self):
             self.shape = shape
 
-        def seed_kv(self, per_rank):
+        def seed_kv(self, per_rank, line):
             pass
 
-        def decode(self, embeds, per_layer, positions, last_index):
+        def decode(self, embeds, per_layer, positions, last_index, seq_ids=None):
             seen["decode"].append(torch.get_num_threads())
             logits = torch.zeros(1, vocab)
             logits[0, 3] = 1.0

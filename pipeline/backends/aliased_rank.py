@@ -26,20 +26,26 @@ class AliasedRank(nn.Module):
     """A rank whose KV caches are graph state: ``forward`` returns ``(logits, *caches)``, and ``aliases()`` maps each
     cache parameter to its output index, so the runtime writes the updated caches back into the same device memory.
 
-    Logits are fp32 ``[1, vocab]``; the greedy token is taken on the host (one argmax), so no integer output leaves
-    the graph.
+    Logits are fp32 ``[rows, vocab]``; the greedy token is taken on the host (one argmax), so no integer output leaves
+    the graph. ``entry`` is the graph being traced (``prefill`` or ``decode``), which fixes how many sequences a call
+    runs (pipeline/recipe/model.py ``entry_rows``): ModelBuilder builds one module per key, the xla backend sets it
+    before lowering each. At batch above 1 ``forward`` takes ``seq_ids`` as its fifth input.
     """
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, entry: str = "decode"):
         super().__init__()
         for name in decoder.cache_names():
             cache = getattr(decoder, name)
             delattr(decoder, name)  # a buffer becomes a parameter: neuronx-distributed aliases parameters only
             decoder.register_parameter(name, nn.Parameter(cache, requires_grad=False))
         self.decoder = decoder
+        self.entry = entry
 
-    def forward(self, embeds, per_layer_tokens, positions, last_index):
-        logits, _token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index)
+    def forward(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
+        from pipeline.recipe.model import entry_rows
+
+        logits, _token, caches = self.decoder.step(embeds, per_layer_tokens, positions, last_index, seq_ids,
+                                                   entry_rows(self.decoder, self.entry))
         return (logits, *caches)
 
     def caches(self) -> list[nn.Parameter]:

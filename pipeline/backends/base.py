@@ -50,19 +50,24 @@ class TraceRequest:
 
 
 class RankRunner(Protocol):
-    """A loaded build: every call runs on all ranks and returns rank 0's ``(logits [1, vocab] fp32, token [1])``."""
+    """A loaded build: every call runs on all ranks and returns rank 0's ``(logits [rows, vocab] fp32, token
+    [rows])``: one row for a prefill, ``batch_size`` for a decode step. At batch above 1 every call also takes the
+    ``seq_ids`` input (pipeline/recipe/model.py ``RankDecoder.step``); at batch 1 it is left out."""
 
     shape: BuildShape
 
-    def prefill(self, embeds, per_layer_tokens, positions, last_index) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def prefill(self, embeds, per_layer_tokens, positions, last_index,
+                seq_ids=None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def decode(self, embeds, per_layer_tokens, positions, last_index) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def decode(self, embeds, per_layer_tokens, positions, last_index,
+               seq_ids=None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
-        """Write host-computed caches (``cache_names()`` order, rank r's heads) into each rank."""
+    def seed_kv(self, per_rank: list[list[torch.Tensor]], line: int = 0) -> None:
+        """Write host-computed caches (``cache_names()`` order, rank r's heads, one sequence's: ``[1, heads, kv_max,
+        d]``) into cache line ``line`` of each rank, the other lines untouched."""
 
     def reset(self) -> None:
-        """Zero every rank's KV caches (between prompts)."""
+        """Zero every rank's KV caches (between prompts, at batch 1 only: a batch's other lines are in use)."""
 
     def close(self) -> None: ...
 
@@ -94,15 +99,40 @@ class Backend(Protocol):
         """Load a ``pipeline.artifact.archive.VerifiedBuild`` (never a bare path: loading TorchScript runs code)."""
 
 
-def example_inputs(spec, tokens: int) -> tuple[torch.Tensor, ...]:
-    """Example inputs of an entry point over ``tokens`` tokens: ``(embeds, per_layer_tokens, positions, last_index)``.
+def graph_inputs(shape: BuildShape, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A call's inputs as the build's graphs take them: ``seq_ids`` (the last) at batch above 1, none at batch 1.
+    Refuses either mistake before a rank is called (a batch graph called without its lines would fail inside it)."""
+    *tensors, seq_ids = inputs
+    if shape.batched != (seq_ids is not None):
+        raise ValueError(f"a batch_size {shape.batch_size} build's graphs take seq_ids "
+                         f"{'as a fifth input' if shape.batched else 'never'}: the caller passed "
+                         f"{'none' if seq_ids is None else 'one'}")
+    return (*tensors, seq_ids) if shape.batched else tuple(tensors)
+
+
+def example_inputs(spec, tokens: int, rows: int = 1) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a call over ``tokens`` tokens of ``rows`` sequences: ``(embeds, per_layer_tokens, positions,
+    last_index)``.
 
     Values never matter (the graph has no data-dependent control flow); shapes and dtypes do: they are what a
     compiled graph accepts, and what neuronx-distributed's NxDModel routes calls by.
     """
-    embeds = torch.zeros(1, tokens, spec.hidden_size)
-    per_layer = torch.zeros(1, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
-    return embeds, per_layer, torch.arange(tokens).view(1, tokens), torch.tensor([tokens - 1])
+    embeds = torch.zeros(rows, tokens, spec.hidden_size)
+    per_layer = torch.zeros(rows, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
+    positions = torch.arange(tokens).repeat(rows, 1)
+    return embeds, per_layer, positions, torch.tensor([tokens - 1])
+
+
+def entry_inputs(spec, shape: BuildShape, entry: str) -> tuple[torch.Tensor, ...]:
+    """Example inputs of ``entry`` (``prefill``: a bucket of one sequence; ``decode``: one token of each of the
+    batch's sequences) for a build of ``shape``. At batch above 1 both take ``seq_ids`` too, so that every graph of
+    a build takes the same inputs: neuronx-distributed traces ModelBuilder's executor with one key's example inputs
+    (NxD v2.28.0 trace/model_builder.py ~1091), and NxDI gives every graph the same inputs for this reason."""
+    if entry == "prefill":
+        inputs = example_inputs(spec, shape.bucket)
+        return (*inputs, torch.tensor([0])) if shape.batched else inputs
+    inputs = example_inputs(spec, 1, shape.batch_size)
+    return (*inputs, torch.arange(shape.batch_size)) if shape.batched else inputs
 
 
 def check_request(request: TraceRequest):

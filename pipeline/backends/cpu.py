@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
-from pipeline.backends.base import TraceRequest, check_request, example_inputs
+from pipeline.backends.base import TraceRequest, check_request, entry_inputs
 from pipeline.backends.ranks import (
     ProcessRunner,
     ServeJob,
@@ -88,12 +88,13 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
     plan = ShardPlan(spec, shape.tp_degree)
     with Checkpoint(request.checkpoint.directory, request.checkpoint.text_prefix, request.checkpoint.head_key) as ckpt:
         state = load_rank_state(ckpt, plan, rank, shape.torch_dtype)
-    module = build_rank(spec, plan, Parallel(shape.tp_degree, GROUP_NAME), shape.kv_max, shape.torch_dtype, state)
+    module = build_rank(spec, plan, Parallel(shape.tp_degree, GROUP_NAME), shape.kv_max, shape.torch_dtype, state,
+                        shape.batch_size)
     del state
     loaded = time.monotonic()
-    examples = {"prefill": example_inputs(spec, shape.bucket), "decode": example_inputs(spec, 1)}
     with torch.no_grad():
-        traced = torch.jit.trace_module(module, {e: examples[e] for e in shape.entries}, check_trace=False)
+        traced = torch.jit.trace_module(module, {e: entry_inputs(spec, shape, e) for e in shape.entries},
+                                        check_trace=False)
         for name, buf in traced.named_buffers():
             if "_cache_" in name:
                 buf.zero_()  # tracing ran the examples through the caches
@@ -118,9 +119,9 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
         with torch.no_grad():
             return getattr(module, entry)(*inputs)
 
-    def seed(values: list[torch.Tensor]) -> None:
+    def seed(values: list[torch.Tensor], line: int) -> None:
         for buf, value in zip(caches, values, strict=True):
-            buf.copy_(value)
+            buf[line:line + 1].copy_(value)
 
     def reset() -> None:
         for buf in caches:

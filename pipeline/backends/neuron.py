@@ -50,7 +50,7 @@ import torch
 from pipeline.artifact.archive import VerifiedBuild, require_verified
 from pipeline.backends import neuron_memory, neuron_sdk
 from pipeline.backends.aliased_rank import shape_problems
-from pipeline.backends.base import RankRunner, TraceRequest, check_request
+from pipeline.backends.base import RankRunner, TraceRequest, check_request, graph_inputs
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
 from pipeline.backends.neuron_job import CompileResult, make_job
 from pipeline.backends.torchscript import strip_debug_records
@@ -460,15 +460,15 @@ class NeuronRunner(RankRunner):
         logits = (out[0] if isinstance(out, (tuple, list)) else out).to("cpu").float().reshape(1, -1)
         return logits, torch.argmax(logits, dim=-1)
 
-    def prefill(self, embeds, per_layer_tokens, positions, last_index):
+    def prefill(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
         if "prefill" not in self.shape.entries:
             raise RuntimeError("this build decodes only (prefill=host): seed the KV with seed_kv instead")
-        return self._call(embeds, per_layer_tokens, positions, last_index)
+        return self._call(*graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index, seq_ids))
 
-    def decode(self, embeds, per_layer_tokens, positions, last_index):
-        return self._call(embeds, per_layer_tokens, positions, last_index)
+    def decode(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
+        return self._call(*graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index, seq_ids))
 
-    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
+    def seed_kv(self, per_rank: list[list[torch.Tensor]], line: int = 0) -> None:
         if layout(self.shape) != PER_RANK:
             raise RuntimeError("only prefill=host builds take host-computed caches")
         # Read the state parameters afresh on every call, never once after loading: the loaded model moves itself to
@@ -478,7 +478,7 @@ class NeuronRunner(RankRunner):
         # optb_server_tp.py "KV-leak fix" re-reads them per request for this reason).
         ranks = list(self.model.models)
         for rank, (module, caches) in enumerate(zip(ranks, per_rank, strict=True)):
-            write_states(rank, state_parameters(module), caches)
+            write_states(rank, state_parameters(module), caches, line)
 
     def reset(self) -> None:
         """Nothing to do: a prompt's prefill (or seeding) rewrites every cache slot it will attend to, and the masks,
@@ -499,13 +499,24 @@ class NeuronRunner(RankRunner):
         self.close()
 
 
-def write_states(rank: int, params: list[torch.nn.Parameter], caches: list[torch.Tensor]) -> None:
-    """Copy host caches into one rank's KV state, refusing any count or shape mismatch (which would decode garbage)."""
+def write_states(rank: int, params: list[torch.nn.Parameter], caches: list[torch.Tensor], line: int = 0) -> None:
+    """Copy one sequence's host caches into cache line ``line`` of one rank's KV state, refusing any count or shape
+    mismatch (which would decode garbage).
+
+    Whole tensors only: a batch's state is read back, changed in that line and written whole, the other lines as the
+    device holds them. NxD's own host writes are whole-tensor copies (v2 ``NxDModel.write_to_neuron_buffer`` refuses
+    any other shape, nxd_model/nxd_model.py ~383-418); whether torch-neuronx takes a write into a slice of a device
+    tensor is closed source, and only hardware can say (docs/inf2-host.md, first-run checklist)."""
     if len(params) != len(caches):
         raise IntegrityError(f"rank {rank} has {len(params)} KV state tensors (states.N), the host computed "
                              f"{len(caches)} caches: the build and the model do not match")
     for j, (param, cache) in enumerate(zip(params, caches)):
-        if tuple(param.shape) != tuple(cache.shape):
-            raise IntegrityError(f"rank {rank} states.{j} has shape {list(param.shape)}, the host cache "
-                                 f"{list(cache.shape)}: the build and the model do not match")
-        param.data.copy_(cache.to(param.dtype))
+        lines = param.shape[0]
+        if tuple(param.shape[1:]) != tuple(cache.shape[1:]) or cache.shape[0] != 1 or not 0 <= line < lines:
+            raise IntegrityError(f"rank {rank} states.{j} has shape {list(param.shape)}; the host cache "
+                                 f"{list(cache.shape)} for line {line}: the build and the model do not match")
+        whole = cache.to(param.dtype)
+        if lines > 1:
+            whole = param.data.to("cpu").clone()
+            whole[line:line + 1] = cache.to(param.dtype)
+        param.data.copy_(whole)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from pipeline.backends.aliased_rank import AliasedRank
-from pipeline.backends.base import example_inputs
+from pipeline.backends.base import entry_inputs
 from pipeline.backends.neuron_job import CompileResult, NeuronJob
 from pipeline.backends.torchscript import save as save_torchscript
 from pipeline.core.fsutil import reporting_full_disk
@@ -116,8 +116,8 @@ def _layer_scalars(ckpt, spec) -> dict[int, torch.Tensor]:
     return {layer.index: ckpt.read(f"layers.{layer.index}.layer_scalar", spec).float() for layer in spec.layers}
 
 
-def build_aliased_rank(job: NeuronJob, rank: int | None) -> AliasedRank:
-    """The rank module on neuronx-distributed's layers.
+def build_aliased_rank(job: NeuronJob, rank: int | None, entry: str = "decode") -> AliasedRank:
+    """The rank module on neuronx-distributed's layers, for the graph of ``entry``.
 
     ``rank`` given (host prefill): every weight of that rank, sliced from the safetensors files, copied in.
     ``rank`` None (ModelBuilder): the structure only, its weights come from ``full_checkpoint``; ``layer_scalar`` is
@@ -131,7 +131,8 @@ def build_aliased_rank(job: NeuronJob, rank: int | None) -> AliasedRank:
     shape = job.shape
     spec = load_spec(job.checkpoint.directory)
     plan = ShardPlan(spec, shape.tp_degree)
-    decoder = RankDecoder(spec, plan, NeuronParallel(shape.tp_degree), shape.kv_max, shape.torch_dtype)
+    decoder = RankDecoder(spec, plan, NeuronParallel(shape.tp_degree), shape.kv_max, shape.torch_dtype,
+                          shape.batch_size)
     with job_checkpoint(job) as ckpt:
         if rank is not None:
             copy_state(decoder, load_rank_state(ckpt, plan, rank, shape.torch_dtype))
@@ -141,7 +142,7 @@ def build_aliased_rank(job: NeuronJob, rank: int | None) -> AliasedRank:
                     scalar = decoder.layers[index].layer_scalar
                     if scalar.device.type != "meta":  # ModelBuilder also builds it on the meta device to shard
                         scalar.copy_(value.view_as(scalar))
-    return AliasedRank(decoder.eval()).eval()
+    return AliasedRank(decoder.eval(), entry).eval()
 
 
 def copy_state(decoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -194,23 +195,25 @@ def host_prefill_rank(job: NeuronJob) -> tuple[nn.Module, dict]:
 
 class RankInstance:
     """What ModelBuilder asks a model for (the ``BaseModelInstance`` interface: ``load_module()``, then
-    ``get(bucket_rank) -> (module, input_output_aliases)``). One instance serves both keys; ModelBuilder rebuilds the
-    module for each, and the aliases must name the parameters of the module just built."""
+    ``get(bucket_rank) -> (module, input_output_aliases)``), for one key (``entry``). ModelBuilder builds the module
+    for each key, and the aliases must name the parameters of the module just built; every key's module has the same
+    weights and state (one weight set and one KV state on the NeuronCore)."""
 
-    def __init__(self, job: NeuronJob):
+    def __init__(self, job: NeuronJob, entry: str):
         self.job = job
+        self.entry = entry
         self.module: AliasedRank | None = None
 
     def load_module(self) -> None:
-        self.module = build_aliased_rank(self.job, rank=None)
+        self.module = build_aliased_rank(self.job, rank=None, entry=self.entry)
 
     def get(self, bucket_rank: int, **kwargs) -> tuple[nn.Module, dict]:
         return self.module, self.module.aliases()
 
 
-def model_builder_plan(shape: BuildShape) -> list[tuple[str, int]]:
-    """ModelBuilder's keys and the tokens per call of each: one bucket per key."""
-    return [("prefill", shape.bucket), ("decode", 1)]
+def model_builder_plan(shape: BuildShape) -> list[str]:
+    """ModelBuilder's keys, one bucket each: the entry points, whose example inputs ``entry_inputs`` makes."""
+    return ["prefill", "decode"]
 
 
 def router_key(inputs: tuple[torch.Tensor, ...]) -> str:
@@ -258,7 +261,7 @@ def trace_host_prefill(job: NeuronJob) -> None:
     spec = load_spec(job.checkpoint.directory)
     model = parallel_model_trace(
         functools.partial(host_prefill_rank, job),
-        example_inputs(spec, 1),
+        entry_inputs(spec, shape, "decode"),
         compiler_workdir=job.workdir,
         compiler_args=list(job.compiler_args),
         tp_degree=shape.tp_degree,
@@ -290,9 +293,8 @@ def trace_device_prefill(job: NeuronJob) -> dict[str, str]:
     builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
         full_checkpoint, job), compiler_workdir=str(Path(job.workdir) / MODEL_BUILDER_DIR),
         compiler_flag_hook=record_flags)
-    instance = RankInstance(job)
-    for key, tokens in model_builder_plan(shape):
-        builder.add(key, instance, [example_inputs(spec, tokens)],
+    for key in model_builder_plan(shape):
+        builder.add(key, RankInstance(job, key), [entry_inputs(spec, shape, key)],
                     compiler_args=compiler_arg_string(list(job.compiler_args)))
     traced = builder.trace(initialize_model_weights=True)
     path = Path(job.out_dir) / NXD_MODEL_FILE

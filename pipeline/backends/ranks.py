@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild
-from pipeline.backends.base import RankRunner, TraceRequest
+from pipeline.backends.base import RankRunner, TraceRequest, graph_inputs
 from pipeline.core.build_records import Member, TraceResult
 from pipeline.core.errors import BuildError, IntegrityError, PipelineError
 from pipeline.core.fsutil import staged_dir
@@ -114,9 +114,11 @@ class Stepped:
 
 @dataclass(frozen=True)
 class Seed:
-    """Write these host-computed caches into the rank's KV state; replies ``Done``."""
+    """Write these host-computed caches (one sequence's) into cache line ``line`` of the rank's KV state; replies
+    ``Done``."""
 
     caches: tuple[PackedTensor, ...]
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,8 @@ class Failed:
 
 def serve_commands(conn, rank: int, step, seed, reset) -> None:
     """A loaded rank's side of the runner's protocol, until it says ``Close``: ``step(entry, inputs) -> (logits,
-    token)``, ``seed(caches)``, ``reset()``. Rank 0 sends its outputs back; every rank its time inside the graph."""
+    token)``, ``seed(caches, line)``, ``reset()``. Rank 0 sends its outputs back; every rank its time inside the
+    graph."""
     conn.send(RankStats(rank, peak_rss_bytes()))
     while True:
         command = conn.recv()
@@ -170,7 +173,7 @@ def serve_commands(conn, rank: int, step, seed, reset) -> None:
             conn.send(Stepped(elapsed, PackedTensor.of(logits), PackedTensor.of(token)) if rank == 0 else
                       Stepped(elapsed))
         elif isinstance(command, Seed):
-            seed([p.tensor() for p in command.caches])
+            seed([p.tensor() for p in command.caches], command.line)
             conn.send(Done())
         elif isinstance(command, Reset):
             reset()
@@ -348,17 +351,19 @@ class ProcessRunner(RankRunner):
         self.compute_s.append(first.seconds)
         return first.logits.tensor(), first.token.tensor()
 
-    def prefill(self, embeds, per_layer_tokens, positions, last_index):
+    def prefill(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
         if "prefill" not in self.shape.entries:
             raise RuntimeError("this build decodes only (prefill=host): seed the KV with seed_kv instead")
-        return self._step("prefill", embeds, per_layer_tokens, positions, last_index)
+        return self._step("prefill", *graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index,
+                                                   seq_ids))
 
-    def decode(self, embeds, per_layer_tokens, positions, last_index):
-        return self._step("decode", embeds, per_layer_tokens, positions, last_index)
+    def decode(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
+        return self._step("decode", *graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index,
+                                                  seq_ids))
 
-    def seed_kv(self, per_rank: list[list[torch.Tensor]]) -> None:
+    def seed_kv(self, per_rank: list[list[torch.Tensor]], line: int = 0) -> None:
         for conn, caches in zip(self.group.conns, per_rank, strict=True):
-            conn.send(Seed(tuple(PackedTensor.of(t) for t in caches)))
+            conn.send(Seed(tuple(PackedTensor.of(t) for t in caches), line))
         self.group.receive_all()
 
     def reset(self) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from pipeline.artifact.archive import VerifiedBuild
 from pipeline.backends import hlo
-from pipeline.backends.base import example_inputs
+from pipeline.backends.base import entry_inputs as example_entry_inputs
 from pipeline.backends.ranks import ServeJob, Traced, TracedRank, TraceJob, report_failure, serve_commands
 from pipeline.core.errors import BuildError, IntegrityError
 from pipeline.core.fsutil import reporting_full_disk, sha256_file
@@ -142,16 +142,21 @@ def rank_module(spec, shape: BuildShape, state: dict[str, torch.Tensor]):
     from pipeline.recipe.plan import ShardPlan
 
     rank = build_rank(spec, ShardPlan(spec, shape.tp_degree), XlaParallel(shape.tp_degree), shape.kv_max,
-                      shape.torch_dtype, state)
+                      shape.torch_dtype, state, shape.batch_size)
     return AliasedRank(rank.decoder).to(device())
 
 
 def entry_inputs(spec, shape: BuildShape, entry: str, start: int = 0) -> tuple[torch.Tensor, ...]:
     """An entry point's inputs on the device, the positions as device tensors: a Python int would be a constant of
     the graph, and every new value a new compile."""
-    tokens = shape.bucket if entry == "prefill" else 1
-    embeds, per_layer, positions, last = example_inputs(spec, tokens)
-    return tuple(t.to(device()) for t in (embeds, per_layer, positions + start, last))
+    embeds, per_layer, positions, last, *seq_ids = example_entry_inputs(spec, shape, entry)
+    return tuple(t.to(device()) for t in (embeds, per_layer, positions + start, last, *seq_ids))
+
+
+def call(module, entry: str, inputs):
+    """Run ``entry``'s graph of ``module`` (an ``AliasedRank``) on ``inputs``: the entry fixes its rows."""
+    module.entry = entry
+    return module(*inputs)
 
 
 def graph_hlo(outputs) -> str:
@@ -183,7 +188,7 @@ def lower(module, spec, shape: BuildShape, entry: str) -> str:
     replicate(shape.tp_degree)
     before = counters()
     with torch.no_grad():
-        outputs = module(*entry_inputs(spec, shape, entry))
+        outputs = call(module, entry, entry_inputs(spec, shape, entry))
     text = graph_hlo(outputs)
     ran = {k: v for k, v in counters().items() if v != before[k]}
     if ran:
@@ -237,7 +242,7 @@ def run_checks(module, spec, shape: BuildShape) -> GraphChecks:
 
     def step(entry: str, start: int):
         with torch.no_grad():
-            write_back(module, module(*entry_inputs(spec, shape, entry, start))[1:])
+            write_back(module, call(module, entry, entry_inputs(spec, shape, entry, start))[1:])
         sync()
 
     met.clear_all()
@@ -371,7 +376,7 @@ class LoadedRank:
 
     def step(self, entry: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            outputs = self.module(*(t.to(device()) for t in inputs))
+            outputs = call(self.module, entry, [t.to(device()) for t in inputs])
         if entry not in self.checked:
             found = hlo.record(graph_hlo(outputs)).hlo_sha256
             if found != self.graphs[entry]["hlo_sha256"]:
@@ -384,12 +389,19 @@ class LoadedRank:
         logits = outputs[0].cpu()
         return logits, torch.argmax(logits, dim=-1)  # the greedy token on the host, as the neuron backend takes it
 
-    def seed(self, caches: list[torch.Tensor]) -> None:
+    def seed(self, caches: list[torch.Tensor], line: int = 0) -> None:
+        """One sequence's caches into cache line ``line``: the whole cache is read back, changed there and placed on
+        the device again (whole tensors only, as the neuron backend writes its state)."""
         for cache, value in zip(self.module.caches(), caches, strict=True):
-            cache.data = value.to(cache.dtype).to(device())
+            whole = value.to(cache.dtype)
+            if cache.shape[0] > 1:  # a batch's caches: the other lines are in use
+                whole = cache.data.cpu()
+                whole[line:line + 1] = value.to(cache.dtype)
+            cache.data = whole.to(device())
 
     def reset(self) -> None:
-        self.seed([torch.zeros(c.shape, dtype=c.dtype) for c in self.module.caches()])
+        for cache in self.module.caches():
+            cache.data = torch.zeros(cache.shape, dtype=cache.dtype).to(device())
 
 
 # -- the process ------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def positive_int(text: str) -> int:
 def add_decode_threads(parser: argparse.ArgumentParser) -> None:
     """``--decode-threads``, as generate and serve take it (a build's validation: validate.throughput.decode_threads).
     Both load torch anyway: the default is read from validation/generation.py here, not at import."""
-    from pipeline.validation.generation import DECODE_THREADS
+    from pipeline.decoding.runner import DECODE_THREADS
 
     parser.add_argument("--decode-threads", type=positive_int, default=DECODE_THREADS,
                         help=f"torch's threads on the host per decode step (default: {DECODE_THREADS}, the count "

@@ -25,9 +25,10 @@ from pipeline.cli import add_decode_threads, plain
 from pipeline.cli.pull import host_toolchain, judged
 from pipeline.core.errors import InputError
 from pipeline.core.log import exit_on_error, log, setup
+from pipeline.decoding.runner import DECODE_THREADS
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 from pipeline.serving.engine import require_tokenizer, text_prefix_of
-from pipeline.validation.generation import DECODE_THREADS, Generator, new_tokens_problem
+from pipeline.validation.generation import Generator, new_tokens_problem
 from pipeline.validation.prompts import chat_ids
 
 DEFAULT_NEW_TOKENS = 64  # when --max-new-tokens is not given: this many, or what the cache holds if fewer

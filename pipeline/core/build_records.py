@@ -15,7 +15,7 @@ rebuild anything by itself, but a record an older release wrote and this one can
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pipeline.core.records import Record, encode
@@ -108,7 +108,7 @@ class TraceResult:
 class Variant(BuildShape):
     """The variant a build was made for: its shape (the fields that decide what is traced) and its name."""
 
-    name: str
+    name: str = field(kw_only=True)  # after the shape's fields, the last of which have defaults
 
 
 @dataclass(frozen=True)

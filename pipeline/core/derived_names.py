@@ -17,7 +17,8 @@ from pipeline.core.choices import values
 from pipeline.core.shape import BuildShape
 
 # A field's value in a derived name: "{}" is the value itself (a choice's values are unlike any other field's).
-SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}"}
+SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}",
+            "batch_size": "bs{}"}
 
 
 def spelled_fields(shape: type) -> tuple[str, ...]:
@@ -57,7 +58,8 @@ def read_part(part: str) -> tuple[str, str] | None:
 
 
 def spellings_help() -> str:
-    """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, device or host, tp<N>``."""
+    """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, device or host, tp<N>,
+    bs<N>``."""
     return ", ".join(" or ".join(choices(key)) if choices(key) else spell(key, "<N>") for key in FIELDS)
 
 

@@ -143,12 +143,32 @@ def _decode_fields(cls: type, value: Any, where: str, problems: list[str]) -> An
     return cls(**kwargs) if len(problems) == found_before else None
 
 
+ADDED = "added"  # a field's metadata key: see ``added``
+
+
+def added(default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING, **kwargs) -> Any:
+    """A field added to a record after records of it were written: read as its default where a record lacks it, and
+    written only where it differs from its default, so that every record of what existed before (a published
+    manifest, a batch-1 build's records) reads and writes back byte for byte."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={ADDED: True}, **kwargs)
+
+
+def _left_out(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is None and value is None:
+        return True
+    if not f.metadata.get(ADDED):
+        return False
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return value == default
+
+
 def encode(value: Any) -> Any:
     """A record (or any part of one) as JSON-able values: the inverse of the reader. A field whose default is None is
-    an optional key, left out while it is None; every other field is written, null or not."""
+    an optional key, left out while it is None, and an ``added`` field is left out at its default; every other field
+    is written, null or not."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if not (f.default is None and getattr(value, f.name) is None)}
+                if not _left_out(f, getattr(value, f.name))}
     if isinstance(value, (list, tuple)):
         return [encode(item) for item in value]
     if isinstance(value, dict):

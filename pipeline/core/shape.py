@@ -10,9 +10,14 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from pipeline.core.choices import StrEnum, values
+from pipeline.core.records import added
 
 if TYPE_CHECKING:
     import torch
+
+MAX_BATCH_SIZE = 64
+"""The most sequences a build may decode at once: far above what fits a NeuronCore at any useful context (E4B's KV
+caches at 2048 positions allow about 20), and a bound on what a typo can ask the trace for."""
 
 
 class Dtype(StrEnum):
@@ -53,6 +58,10 @@ class BuildShape:
     dtype: Dtype
     prefill: Prefill
     tp_degree: int
+    batch_size: int = added(default=1)
+    """Sequences the graphs decode at once (NxDI's and optimum-neuron's ``batch_size``): the KV caches hold this many,
+    a decode step takes one token of each, and a prefill fills one of them (its cache line, ``seq_ids``). 1 keeps
+    the graphs every batch-1 build has always had."""
 
     @property
     def shape(self) -> BuildShape:
@@ -75,6 +84,9 @@ class BuildShape:
             found.append(f"variant.prefill={self.prefill!r} is not one of {values(Prefill)}")
         if self.tp_degree < 1:
             found.append(f"variant.tp_degree={self.tp_degree} must be at least 1")
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            found.append(f"variant.batch_size={self.batch_size} must be between 1 and {MAX_BATCH_SIZE} (the sequences "
+                         "decoded at once; the largest that fits a NeuronCore is smaller: the trace stage says which)")
         if self.bucket < 1 or self.kv_max < 1:
             found.append(f"variant.kv_max={self.kv_max} and variant.bucket={self.bucket} must be positive")
         elif self.bucket > self.kv_max:
@@ -85,6 +97,12 @@ class BuildShape:
             found.append(f"variant.kv_max={self.kv_max} is not a multiple of variant.bucket={self.bucket}: a padded "
                          f"last bucket would run past the cache; use kv_max={fit} or {fit + self.bucket}")
         return found
+
+    @property
+    def batched(self) -> bool:
+        """Whether the graphs decode several sequences: their entry points then take each call's cache lines
+        (``seq_ids``) as a fifth input."""
+        return self.batch_size > 1
 
     @property
     def entries(self) -> tuple[str, ...]:

@@ -32,11 +32,12 @@ from pathlib import Path
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
-from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
+from pipeline.decoding.runner import DECODE_THREADS
 from pipeline.serving.sampling import Sampler, TokenLogprob
-from pipeline.validation.generation import DECODE_THREADS, Generator
+from pipeline.validation.generation import Generator
 from pipeline.validation.prompts import messages_ids
 
 WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
@@ -57,36 +58,6 @@ class Finish:
     reason: str  # "stop" (an end-of-sequence token or a stop string), "length" (max_tokens reached), "cancelled"
     text: str  # what was held back and is now released (the stop string itself never is)
     completion_tokens: int
-
-
-class RanksFailed(PipelineError):
-    """A call into the build's ranks failed: the ranks may be mid-step or gone, so nothing more can be served."""
-
-
-class GuardedRunner:
-    """The backend's runner, with its failures named ``RanksFailed``: what the ranks raise fails the server, what a
-    request's own host-side work raises fails only that request (api.Service tells the two apart by this type)."""
-
-    def __init__(self, runner):
-        self.runner, self.shape = runner, runner.shape
-
-    def prefill(self, *inputs):
-        return self._call("prefill", *inputs)
-
-    def decode(self, *inputs):
-        return self._call("decode", *inputs)
-
-    def seed_kv(self, per_rank):
-        return self._call("seed_kv", per_rank)
-
-    def reset(self):
-        return self._call("reset")
-
-    def _call(self, name: str, *args):
-        try:
-            return getattr(self.runner, name)(*args)
-        except Exception as exc:
-            raise RanksFailed(f"the build's ranks failed in {name}: {type(exc).__name__}: {exc}") from exc
 
 
 def text_prefix_of(checkpoint: Path) -> str:
@@ -180,8 +151,7 @@ class Engine:
             host = HostPrefill(ckpt, spec, self.shape.kv_max, self.shape.torch_dtype)
             self.host_bytes["host_prefill_model"] = sum(
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
-        runner = GuardedRunner(self._stack.enter_context(get_backend(self.manifest.backend).load(self.build,
-                                                                                                  self.shape)))
+        runner = self._stack.enter_context(get_backend(self.manifest.backend).load(self.build, self.shape))
         self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
                                    decode_threads=self.decode_threads)
         started = time.perf_counter()

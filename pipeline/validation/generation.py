@@ -1,17 +1,14 @@
-"""Greedy generation over a loaded build: the serving loop that validation measures.
+"""Greedy generation of one sequence over a loaded build: what validation measures and ``generate`` prints.
 
-Device prefill runs the prompt through the ``prefill`` graph bucket by bucket (the last bucket padded, padding
-positions continue the sequence so they are never attended to), then decodes one token per ``decode`` call. Host
-prefill runs the prompt through the host's prefill model, seeds each rank with its KV heads, then decodes on the ranks.
-Teacher forcing (``forced``) feeds a given continuation instead of the build's own choices, recording what the build
-would have picked at each step.
+The decode engine (pipeline/decoding/) with one sequence in it. Device prefill runs the prompt through the ``prefill``
+graph bucket by bucket (the last bucket padded, padding positions continue the sequence so they are never attended
+to), then decodes one token per ``decode`` call. Host prefill runs the prompt through the host's prefill model, seeds
+the ranks with its KV heads, then decodes on the ranks. Teacher forcing (``forced``) feeds a given continuation
+instead of the build's own choices, recording what the build would have picked at each step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -20,8 +17,11 @@ import torch
 from pipeline.backends.base import RankRunner
 from pipeline.core.errors import InputError
 from pipeline.core.shape import BuildShape
+from pipeline.decoding.engine import BatchEngine
+from pipeline.decoding.runner import DECODE_THREADS, BatchRunner
+from pipeline.decoding.sequence import Sequence, Step
 from pipeline.host.procinfo import usable_cpus
-from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
+from pipeline.recipe.host import HostEmbeddings, HostPrefill
 from pipeline.validation.records import ThreadPolicy
 
 
@@ -32,14 +32,6 @@ class Generation:
     logits: torch.Tensor  # [steps, vocab] fp32, the logits behind each choice
     ttft_s: float  # prompt in to first token out, host work included
     decode_s: list[float] = field(default_factory=list)  # wall time of each decode call
-    prefill_calls: int = 0
-
-
-@dataclass
-class Step:
-    token: int  # the build's choice (its argmax), or what ``choose`` picked from the logits
-    logits: torch.Tensor  # [vocab] fp32, the logits behind it
-    seconds: float  # the prefill's wall time (host work included) for the first step, the decode call's after
     prefill_calls: int = 0
 
 
@@ -73,102 +65,57 @@ def check_fits(prompt_len: int, max_new_tokens: int, shape: BuildShape) -> None:
         )
 
 
-DECODE_THREADS = 1
-"""torch's threads on the host while decoding, unless the caller sets another count (validate.throughput.
-decode_threads, generate's and serve's --decode-threads): a step only looks up two embedding rows and takes an
-argmax of the returned logits, and more threads contend with the ranks (the cpu backend's processes, the Neuron
-runtime's threads). bench/decode_threads.py measures 1, 2 and every usable CPU side by side (docs/performance.md)."""
-
-
-def host_prefill_threads() -> int:
-    """torch's threads for host prefill: every CPU this process may use. The host's prefill model runs the whole prompt
-    through every layer in fp32; the seed recipe measured 6.3 s on 1 thread and 1.4 s on 32 for a 16-token prompt of
-    E4B (optb_server_tp.py, which sets ``torch.set_num_threads(os.cpu_count())``)."""
-    return usable_cpus()
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run the block with ``count`` intra-op threads, then restore the count it had."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 class Generator:
-    """Greedy generation over a loaded build. The thread policy is per phase: host prefill with every usable CPU
-    (``prefill_threads``), decode steps with ``decode_threads`` (``DECODE_THREADS``); both are recorded by validation
-    (``threads``)."""
+    """Greedy generation of one sequence at a time over a loaded build: validation's and ``generate``'s loop. The
+    decode engine's, with one sequence in it (pipeline/decoding/): at batch above 1 it holds line 0 and the other
+    lines decode nothing. The thread policy is per phase: host prefill with every usable CPU (``prefill_threads``),
+    decode steps with ``decode_threads`` (``DECODE_THREADS``); both are recorded by validation (``threads``)."""
 
     def __init__(self, runner: RankRunner, embed: HostEmbeddings, eos_ids: tuple[int, ...], pad_id: int,
                  host_prefill: HostPrefill | None = None, prefill_threads: int | None = None,
                  decode_threads: int = DECODE_THREADS):
+        self.batch = BatchRunner(runner, embed, pad_id, host_prefill, prefill_threads, decode_threads)
         self.runner = runner
         self.shape: BuildShape = runner.shape
-        self.embed = embed
-        self.eos_ids = set(eos_ids)
-        self.pad_id = pad_id
-        if self.shape.prefill == "host" and host_prefill is None:
-            raise ValueError("a prefill=host build needs the host's prefill model (HostPrefill)")
-        self.host_prefill = host_prefill
-        self.prefill_threads = prefill_threads or host_prefill_threads()
-        self.decode_threads = decode_threads
+        self.eos_ids = frozenset(eos_ids)
+        self.prefill_threads, self.decode_threads = self.batch.prefill_threads, self.batch.decode_threads
 
     @property
     def threads(self) -> ThreadPolicy:
         """The thread policy, as validation.json records it."""
-        return ThreadPolicy(host_prefill=self.prefill_threads if self.shape.prefill == "host" else 0,
-                            decode=self.decode_threads, usable_cpus=usable_cpus())
+        host_prefill, decode = self.batch.threads
+        return ThreadPolicy(host_prefill=host_prefill, decode=decode, usable_cpus=usable_cpus())
 
-    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        if self.shape.prefill == "host":
-            with torch_threads(self.prefill_threads):
-                logits, token, caches = self.host_prefill.prefill(prompt)
-            self.runner.seed_kv(split_kv_for_ranks(caches, self.shape.tp_degree, self.shape.torch_dtype))
-            return logits, token, 0
-        self.runner.reset()
-        bucket = self.shape.bucket
-        calls = math.ceil(len(prompt) / bucket)
-        for c in range(calls):
-            chunk = prompt[c * bucket:(c + 1) * bucket]
-            padded = chunk + [self.pad_id] * (bucket - len(chunk))
-            embeds, per_layer = self.embed(padded)
-            positions = torch.arange(c * bucket, (c + 1) * bucket).view(1, -1)
-            logits, token = self.runner.prefill(embeds, per_layer, positions, torch.tensor([len(chunk) - 1]))
-        return logits, token, calls
+    def sequence(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None,
+                 choose: Callable[[torch.Tensor], int] | None = None) -> Sequence:
+        """A sequence of ``prompt`` for this build's engine, refused if the cache cannot hold it."""
+        check_fits(len(prompt), len(forced) if forced is not None else max_new_tokens, self.shape)
+        return Sequence(list(prompt), max_new_tokens, self.eos_ids, choose, forced)
 
     def steps(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None,
               choose: Callable[[torch.Tensor], int] | None = None) -> Iterator[Step]:
         """Greedy decode up to ``max_new_tokens`` (stopping after an EOS), or teacher-forced over ``forced``: one
-        ``Step`` per token, as it is chosen (the server streams them). The first step's time is the prefill's.
-        ``choose`` (serve's sampling) picks each token from the step's logits on the host instead of the argmax:
-        the graphs are the same, nothing is compiled for it; validation never passes it."""
-        steps = len(forced) if forced is not None else max_new_tokens
-        check_fits(len(prompt), steps, self.shape)
-        started = time.perf_counter()
-        with torch_threads(self.decode_threads):  # the device prefill's host work, and every decode step below
-            logits, token, calls = self._prefill(prompt)
-            token = choose(logits.view(-1)) if choose else int(token)
-        yield Step(token, logits.view(-1), time.perf_counter() - started, calls)
-        fed, position = int(token), len(prompt)
-        for step in range(1, steps):
-            fed = forced[step - 1] if forced is not None else fed
-            if forced is None and fed in self.eos_ids:
-                return
-            t0 = time.perf_counter()
-            with torch_threads(self.decode_threads):
-                embeds, per_layer = self.embed([fed])
-                logits, token = self.runner.decode(embeds, per_layer, torch.tensor([[position]]), torch.tensor([0]))
-                token = choose(logits.view(-1)) if choose else int(token)
-            yield Step(token, logits.view(-1), time.perf_counter() - t0)
-            fed = int(token)
-            position += 1
+        ``Step`` per token, as it is chosen. The first step's time is the prefill's. ``choose`` picks each token from
+        the step's logits on the host instead of the argmax (the graphs are the same, nothing is compiled for it);
+        validation never passes it."""
+        seq = self.sequence(prompt, max_new_tokens, forced, choose)
+        taken: list[Step] = []
+        seq.on_step = lambda _, step: taken.append(step) is None  # collected, then handed out as the engine goes
+        engine = BatchEngine(self.batch)
+        engine.submit(seq)
+        while engine.step() or taken:
+            yield from taken
+            taken.clear()
+        if seq.error is not None:
+            raise seq.error
 
     def generate(self, prompt: list[int], max_new_tokens: int, forced: list[int] | None = None) -> Generation:
         """Every step of ``steps`` at once: the tokens, their logits and the timing."""
         taken = list(self.steps(prompt, max_new_tokens, forced))
-        return Generation(len(prompt), [s.token for s in taken], torch.stack([s.logits for s in taken]),
-                          taken[0].seconds, [s.seconds for s in taken[1:]], taken[0].prefill_calls)
+        return generation_of(len(prompt), taken)
+
+
+def generation_of(prompt_len: int, taken: list[Step]) -> Generation:
+    """A sequence's steps as one ``Generation``."""
+    return Generation(prompt_len, [s.token for s in taken], torch.stack([s.logits for s in taken]),
+                      taken[0].seconds, [s.seconds for s in taken[1:]], taken[0].prefill_calls)

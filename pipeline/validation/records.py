@@ -11,11 +11,11 @@ build.json.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.core.build_records import CheckedFigures
 from pipeline.core.errors import ErrorRecord, InputError, PipelineError, PublishError
-from pipeline.core.records import Record
+from pipeline.core.records import Record, added
 from pipeline.validation.reference_records import SliceErrors
 
 
@@ -51,6 +51,52 @@ class ThroughputSummary(Latency):
     ttft_ms: float
     throughput: float
     decode_steps: int
+
+
+@dataclass(frozen=True)
+class ConcurrencyFigures:
+    """Throughput with ``sequences`` in flight, submitted together, each a prompt of the short context fed the same
+    continuation (pipeline/validation/batch.py): every sequence's new tokens over the wall time from submission to
+    the last token (``aggregate_tokens_per_s``); one sequence's rate beside the others, 1 / its mean inter-token
+    latency, the prefill calls interleaved with its decode steps included (``tokens_per_s``, ``ms_per_token``,
+    the latency's percentiles); the time to first token from submission, median and worst (the later sequences
+    wait for the prefills ahead of them)."""
+
+    sequences: int
+    context_tokens: int
+    aggregate_tokens_per_s: float
+    tokens_per_s: float
+    ms_per_token: float
+    itl_ms_p50: float
+    itl_ms_p99: float
+    ttft_ms: float
+    ttft_ms_max: float
+
+
+@dataclass(frozen=True)
+class TogetherVerdict:
+    """One sequence of the prompts decoded together: its cache line, whether another sequence had held that line
+    before it and how many were decoding when it took it, and whether it decoded bit for bit what its prompt decoded
+    alone (else the first step that differs)."""
+
+    prompt: str
+    line: int
+    line_reused: bool
+    decoding_beside: int
+    identical: bool
+    first_difference: int | None
+
+
+@dataclass(frozen=True)
+class BatchParity:
+    """The prompts decoded together (pipeline/validation/batch.py): passed when every sequence is identical to its
+    prompt decoded alone and at least one took a line another had left while others decoded."""
+
+    batch_size: int
+    sequences: int
+    passed: bool
+    reused_mid_flight: int
+    together: tuple[TogetherVerdict, ...]
 
 
 @dataclass(frozen=True)
@@ -158,6 +204,10 @@ class Measured(Record):
     peak_rss_mb: PeakRss
     threads: ThreadPolicy
     prompts: tuple[PromptVerdict, ...]
+    concurrency: dict[str, ConcurrencyFigures] = field(default_factory=dict, kw_only=True)
+    """Throughput with 1 .. batch_size sequences in flight, by their count (empty in a record from before batching)."""
+    batch_parity: BatchParity | None = field(default=None, kw_only=True)
+    """A batched build's prompts decoded together (left out at batch 1)."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +306,20 @@ class ParityVerdict:
 
 
 @dataclass(frozen=True)
+class ConcurrencyHeadline:
+    """metrics.json's figures with ``k`` sequences in flight (``ConcurrencyFigures`` has them all)."""
+
+    aggregate_tokens_per_s: float
+    tokens_per_s: float
+    ms_per_token: float
+    ttft_ms: float
+
+    @classmethod
+    def of(cls, figures: ConcurrencyFigures) -> ConcurrencyHeadline:
+        return cls(figures.aggregate_tokens_per_s, figures.tokens_per_s, figures.ms_per_token, figures.ttft_ms)
+
+
+@dataclass(frozen=True)
 class Metrics(Record):
     """``metrics.json``: the figures a person compares across builds, few enough for ``dvc metrics show`` to print one
     short row per variant (everything else is in validation.json); published beside each version.
@@ -263,6 +327,8 @@ class Metrics(Record):
     ``tokens_per_s.<context>``: decode speed at that context length, new tokens per second (1 / the mean decode step
     latency; not NxDI's end-to-end ``throughput``). ``ttft_ms.<context>``: time to the first new token, median over
     the runs. ``peak_rss_mb``: the validation process's and its largest rank process's peak resident memory.
+    ``concurrency.<k>``: with k sequences in flight at once (1 .. batch_size), the aggregate rate, one sequence's
+    rate and its ms per token beside the others, and the median time to first token.
     """
 
     KIND = "metrics record"
@@ -274,13 +340,15 @@ class Metrics(Record):
     tokens_per_s: dict[str, float]
     ttft_ms: dict[str, float]
     peak_rss_mb: PeakRss
+    concurrency: dict[str, ConcurrencyHeadline] = field(default_factory=dict)
 
     @classmethod
     def of(cls, measured: Measured) -> Metrics:
         contexts = measured.contexts
         return cls(ParityVerdict(measured.parity.passed, measured.parity.mode),
                    {name: c.tokens_per_s for name, c in contexts.items()},
-                   {name: c.ttft_ms for name, c in contexts.items()}, measured.peak_rss_mb)
+                   {name: c.ttft_ms for name, c in contexts.items()}, measured.peak_rss_mb,
+                   {k: ConcurrencyHeadline.of(f) for k, f in measured.concurrency.items()})
 
 
 @dataclass(frozen=True)
@@ -301,8 +369,15 @@ class ValidationSummary(Record):
     backend: str
     hardware: str
     throughput_floor: str | None
+    concurrency: dict[str, ConcurrencyFigures] = added(default_factory=dict)
+    """Empty in a summary published before batching."""
 
     @classmethod
     def of(cls, report: ValidationRecord) -> ValidationSummary:
         return cls(report.parity, report.throughput, report.contexts, report.gates, report.backend, report.hardware,
-                   report.throughput_gate.floor)
+                   report.throughput_gate.floor, report.concurrency)
+
+    @property
+    def full_batch(self) -> ConcurrencyFigures | None:
+        """The figures with every line in use (the most sequences measured), or None."""
+        return self.concurrency[max(self.concurrency, key=int)] if self.concurrency else None

@@ -34,9 +34,11 @@ from pipeline.core.fsutil import reporting_full_disk, sha256_file, temp_dir_besi
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
+from pipeline.validation.batch import measure_concurrency, together
 from pipeline.validation.generation import Generation, Generator
 from pipeline.validation.parity import judge_logits, logit_errors, logits_of
 from pipeline.validation.records import (
+    BatchParity,
     ContextFigures,
     Costs,
     Coverage,
@@ -229,8 +231,10 @@ def judge(prompt: ReferencePrompt, gen: Generation, ref_logits: torch.Tensor, mo
 
 
 def check_prompt(gen: Generator, reference: ReferenceRecord, i: int, tensors: dict, shape: BuildShape, mode: str,
-                 parity: ParityConfig, explainer: Explainer, position: tuple[int, int]) -> PromptVerdict:
-    """Decode reference prompt ``i`` and judge it; logs its verdict (``position``: (n, of)) as soon as it is known."""
+                 parity: ParityConfig, explainer: Explainer,
+                 position: tuple[int, int]) -> tuple[PromptVerdict, Generation]:
+    """Decode reference prompt ``i`` alone and judge it; logs its verdict (``position``: (n, of)) as soon as it is
+    known. Returns the verdict and what was decoded."""
     prompt = reference.prompts[i]
     forced = None if mode == "exact" else list(prompt.output_ids)
     g = gen.generate(list(prompt.input_ids), reference.max_new_tokens, forced=forced)
@@ -239,7 +243,7 @@ def check_prompt(gen: Generator, reference: ReferenceRecord, i: int, tensors: di
     log.info("validate: prompt %d/%d %s (%d tokens): %s (%s), %d new tokens, first token %.1f ms", *position,
              prompt.name, verdict.prompt_tokens, "pass" if verdict.passed else "FAIL", mode, verdict.new_tokens,
              g.ttft_s * 1e3)
-    return verdict
+    return verdict, g
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,26 @@ class ValidationJob:
                        throughput=section(ThroughputConfig, raw.throughput, "validate.throughput"))
 
 
+def judge_parity(gen: Generator, job: ValidationJob, tensors: dict,
+                 explainer: Explainer) -> tuple[list[PromptVerdict], BatchParity | None]:
+    """Every chosen prompt decoded alone and judged against the reference (after the warm-up prompts); for a batched
+    build, then all of them decoded together, each against itself alone (pipeline/validation/batch.py)."""
+    reference, shape, chosen = job.reference, job.manifest.shape, job.prompts
+    mode, max_new = job.parity.mode(shape.dtype), reference.max_new_tokens
+    first = list(reference.prompts[chosen[0]].input_ids)
+    for _ in range(job.warmup_prompts):
+        gen.generate(first, max_new)  # first-call costs, never timed
+    checked = [check_prompt(gen, reference, i, tensors, shape, mode, job.parity, explainer, (n, len(chosen)))
+               for n, i in enumerate(chosen, 1)]
+    if not shape.batched:
+        return [verdict for verdict, _ in checked], None
+    prompts = [reference.prompts[i] for i in chosen]
+    batch = together(gen.batch, gen.eos_ids, [p.name for p in prompts], [list(p.input_ids) for p in prompts], max_new,
+                     [None if mode == "exact" else list(p.output_ids) for p in prompts],
+                     [(g.tokens, g.logits) for _, g in checked])
+    return [verdict for verdict, _ in checked], batch
+
+
 def run_job(job: ValidationJob) -> Measured:
     """Verify, unpack and load the build, judge its parity on the chosen prompts, then measure its throughput: the
     metrics RESULT.json holds."""
@@ -289,11 +313,8 @@ def run_job(job: ValidationJob) -> Measured:
     manifest = job.manifest
     shape = manifest.shape
     reference = job.reference
-    parity = job.parity
-    mode = parity.mode(shape.dtype)
-    max_new = reference.max_new_tokens
-    chosen = job.prompts
-    tensors = reference_tensors(job)
+    mode = job.parity.mode(shape.dtype)
+    tensors = reference_tensors(job)  # refused before anything is unpacked or loaded
     explainer = Explainer(job.weights)
 
     work = temp_dir_beside(Path(job.workdir))
@@ -312,21 +333,18 @@ def run_job(job: ValidationJob) -> Measured:
                 gc.freeze()  # tokenizer, host model and reference stay for the whole job: keep them out of GC passes
                 gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
                                 decode_threads=job.throughput.decode_threads)
-                first = list(reference.prompts[chosen[0]].input_ids)
-                for _ in range(job.warmup_prompts):
-                    gen.generate(first, max_new)  # first-call costs, never timed
-                report = [check_prompt(gen, reference, i, tensors, shape, mode, parity, explainer, (n, len(chosen)))
-                          for n, i in enumerate(chosen, 1)]
+                report, batch_parity = judge_parity(gen, job, tensors, explainer)
                 parity_done = time.monotonic()
                 filler = [t for p in reference.prompts for t in p.input_ids]
                 summary, contexts = measure_throughput(gen, shape, job.throughput, filler)
+                concurrency = measure_concurrency(gen.batch, shape, job.throughput, filler)
                 threads = gen.threads
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     return Measured(
-        parity=parity_summary(mode, report),
+        parity=parity_summary(mode, report, batch_parity),
         throughput=summary,
         contexts=contexts,
         costs_s=Costs(verify_unpack=round(unpacked - started, 3), load=round(loaded - unpacked, 3),
@@ -334,6 +352,8 @@ def run_job(job: ValidationJob) -> Measured:
         peak_rss_mb=PeakRss(ranks=round(max(rss) / 2**20, 1) if rss else None, host=round(peak_rss_bytes() / 2**20, 1)),
         threads=threads,
         prompts=tuple(report),
+        concurrency=concurrency,
+        batch_parity=batch_parity,
     )
 
 
@@ -347,10 +367,12 @@ def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
     return load_file(job.reference_tensors)
 
 
-def parity_summary(mode: str, report: list[PromptVerdict]) -> ParitySummary:
-    """The prompts' verdicts in one: passed only if every prompt passed, and the worst figures."""
+def parity_summary(mode: str, report: list[PromptVerdict], batch: BatchParity | None = None) -> ParitySummary:
+    """The prompts' verdicts in one: passed only if every prompt passed (and, for a batched build, they decoded
+    together as alone), and the worst figures."""
     shares = [r.teacher_forced_match for r in report if r.teacher_forced_match is not None]
-    return ParitySummary(mode=mode, passed=all(r.passed for r in report), prompts=len(report),
+    passed = all(r.passed for r in report) and (batch is None or batch.passed)
+    return ParitySummary(mode=mode, passed=passed, prompts=len(report),
                          prompts_matched=sum(r.passed for r in report),
                          teacher_forced_match=round(min(shares), 4) if shares else None,
                          max_abs_dlogit=round(max(r.max_abs_dlogit for r in report), 6))

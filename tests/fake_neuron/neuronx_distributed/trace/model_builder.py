@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch_neuronx import _fake_runtime
 
 from neuronx_distributed.parallel_layers import parallel_state
-from neuronx_distributed.trace.spmd import NxDModel, NxDModelExecutor, RankGraphs, StateGraph
+from neuronx_distributed.trace.spmd import NxDModel, StateGraph, executor, rank_graphs
 
 logger = logging.getLogger("Neuron")
 LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"
@@ -152,11 +152,13 @@ class ModelBuilder:
         ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
         shapes = {str([list(t.shape) for t in example[0]]): (key, 0)
                   for key, (_, example, _) in self.model_collection.items()}
-        executor = torch.jit.script(NxDModelExecutor(torch.jit.script(
-            NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree))))
+        # ~1064-1069, ~1091: the executor is traced with the last key's example inputs, so it takes that many
+        last_inputs = len(list(self.model_collection.values())[-1][1][0])
+        traced = torch.jit.script(executor(torch.jit.script(
+            NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree)), last_inputs))
         if initialize_model_weights:
-            executor.nxd_model.initialize_with_saved_weights(torch.tensor(0))
-        return executor
+            traced.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+        return traced
 
     def _shard_checkpoint(self, checkpoint):
         """``shard_checkpoint(serialize_path)``: every rank's parameters, cut as ``_load_weights`` cuts them, in
@@ -191,7 +193,11 @@ class ModelBuilder:
             with torch.no_grad():
                 for state in owner.states:
                     state.zero_()  # tracing ran the examples through the state; StateInitializer starts at zero
-            return torch.jit.script(RankGraphs(graphs))
+            counts = {len(example[0]) for _, example, _ in self.model_collection.values()}
+            if len(counts) != 1:  # each rank's graphs are called through one executor of one arity (see above)
+                raise TypeError(f"the keys' example inputs have {sorted(counts)} tensors: the traced executor takes "
+                                "the last key's count")
+            return torch.jit.script(rank_graphs(graphs, counts.pop()))
         finally:
             _fake_runtime.set_aot(False)
             parallel_state._set_aot_rank(None, None, None)

@@ -46,7 +46,7 @@ class StateGraph(torch.nn.Module):
 
 
 class RankGraphs(torch.nn.Module):
-    """One rank's graph per key (sharing weights and state)."""
+    """One rank's graph per key (sharing weights and state), each taking four inputs."""
 
     def __init__(self, graphs: dict[str, torch.nn.Module]):
         super().__init__()
@@ -58,6 +58,25 @@ class RankGraphs(torch.nn.Module):
             if name == key:
                 out = graph(inputs[0], inputs[1], inputs[2], inputs[3])
         return out
+
+
+class RankGraphs5(RankGraphs):
+    """The same, each graph taking five inputs (TorchScript checks a call's arity against each graph's signature)."""
+
+    def forward(self, key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(0)
+        for name, graph in self.graphs.items():
+            if name == key:
+                out = graph(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4])
+        return out
+
+
+def rank_graphs(graphs: dict[str, torch.nn.Module], inputs: int) -> torch.nn.Module:
+    """``RankGraphs`` for graphs of ``inputs`` inputs (the stand-in builds graphs of four or five)."""
+    kinds = {4: RankGraphs, 5: RankGraphs5}
+    if inputs not in kinds:
+        raise NotImplementedError(f"the stand-in builds graphs of 4 or 5 inputs, not {inputs}")
+    return kinds[inputs](graphs)
 
 
 class NxDModel(torch.nn.Module):
@@ -100,11 +119,27 @@ class NxDModel(torch.nn.Module):
 
 
 class NxDModelExecutor(torch.nn.Module):
-    """Called like the traced model, ``model(*inputs)`` (the stand-in's entry points take four tensors)."""
+    """Called like the traced model, ``model(*inputs)``. The real one's ``forward(self, *inputs)`` passes
+    ``list(inputs)`` on (spmd.py ~290-291), and ModelBuilder ``torch.jit.trace``s it with the last key's example inputs
+    (model_builder.py ~1064-1069, ~1091), so the saved executor takes exactly that many: the stand-in's executor is
+    scripted for that count (four here, five in ``NxDModelExecutor5``), and a call with another count is refused."""
 
     def __init__(self, nxd_model):
         super().__init__()
         self.nxd_model = nxd_model
 
-    def forward(self, embeds, per_layer_tokens, positions, last_index) -> list[torch.Tensor]:
-        return self.nxd_model([embeds, per_layer_tokens, positions, last_index])
+    def forward(self, a, b, c, d) -> list[torch.Tensor]:
+        return self.nxd_model([a, b, c, d])
+
+
+class NxDModelExecutor5(NxDModelExecutor):
+    def forward(self, a, b, c, d, e) -> list[torch.Tensor]:
+        return self.nxd_model([a, b, c, d, e])
+
+
+def executor(nxd_model, inputs: int) -> torch.nn.Module:
+    """The executor of ``nxd_model`` taking ``inputs`` tensors (the last key's count)."""
+    kinds = {4: NxDModelExecutor, 5: NxDModelExecutor5}
+    if inputs not in kinds:
+        raise NotImplementedError(f"the stand-in builds executors of 4 or 5 inputs, not {inputs}")
+    return kinds[inputs](nxd_model)

@@ -1,0 +1,182 @@
+"""The decode loop: ``BatchEngine.step`` asks the scheduler for the next call, has the runner make it, and gives each
+sequence its token. ``generate`` and validation step it until their sequences are done; ``serve`` runs it in a thread
+of its own (``serve_forever``), its requests submitting sequences from other threads.
+
+A sequence's token is chosen here, in the engine's thread: ``Sequence.choose`` (serve's sampler) from its row of the
+logits, else the build's own argmax; then ``Sequence.on_step`` sees it. What a sequence's own host work raises (its
+sampler, its consumer, the host's prefill of its prompt) ends that sequence (``Finish.error``) and the others go on;
+what the ranks raise (``RanksFailed``) ends every sequence (``Finish.failed``) and is raised again: nothing more can
+be decoded. A cancelled sequence (``Sequence.cancel``, from any thread) ends before the next call and gives its line
+back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.decoding.runner import BatchRunner, RanksFailed
+from pipeline.decoding.scheduler import Prefill, Scheduler
+from pipeline.decoding.sequence import Finish, Sequence, Status, Step
+
+
+@dataclass
+class EngineStats:
+    """What the engine has done, for serve's ``/metrics`` and the benchmarks."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0
+    """Sequences decoded over every decode step (occupancy: rows / steps / lines)."""
+    prefill_calls: int = 0
+
+
+class BatchEngine:
+    """One loaded build's decoding. ``step`` is called from one thread at a time; ``submit`` and ``Sequence.cancel``
+    from any."""
+
+    def __init__(self, runner: BatchRunner, on_finish: Callable[[Sequence], None] | None = None,
+                 on_decode: Callable[[int], None] | None = None):
+        self.runner = runner
+        self.scheduler = Scheduler(runner.lines)
+        self.on_finish = on_finish
+        """Called (in the engine's thread) with each sequence as it ends, however it ends."""
+        self.on_decode = on_decode
+        """Called with the number of sequences in each decode step."""
+        self.stats = EngineStats()
+        self.failure: RanksFailed | None = None
+        self._incoming: list[Sequence] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+
+    # -- from any thread ----------------------------------------------------------------------------------------------
+
+    def submit(self, *sequences: Sequence) -> None:
+        with self._wake:
+            if self.failure is not None:
+                raise self.failure
+            self._incoming.extend(sequences)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Look at the sequences again (one was cancelled while the engine waited)."""
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self) -> None:
+        """End ``serve_forever`` once the sequences it holds are done (new ones are still taken until then)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One call into the build (or none): False when there was nothing to do."""
+        self._take_incoming()
+        self._drop_cancelled()
+        action = self.scheduler.next()
+        if action is None:
+            return False
+        try:
+            if isinstance(action, Prefill):
+                self._prefill(action.sequence)
+            else:
+                self._decode(action.sequences)
+        except RanksFailed as exc:
+            self._fail_all(exc)
+            raise
+        return True
+
+    def run(self, *sequences: Sequence) -> None:
+        """Submit ``sequences`` and step until the engine is idle (validation's and ``generate``'s use)."""
+        self.submit(*sequences)
+        while self.step():
+            pass
+
+    def serve_forever(self) -> None:
+        """Step while there is work; wait for more; return once ``stop`` was called and nothing is left, or raise
+        ``RanksFailed``."""
+        while True:
+            if self.step():
+                continue
+            with self._wake:
+                if self._incoming or any(s.cancel_requested for s in self.scheduler.held + self.scheduler.waiting):
+                    continue
+                if self._stopping and self.scheduler.idle:
+                    return
+                self._wake.wait(timeout=0.5)
+
+    # -- what one call does -------------------------------------------------------------------------------------------
+
+    def _prefill(self, seq: Sequence) -> None:
+        try:
+            out = self.runner.prefill(seq)
+        except RanksFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the host's work for this sequence: its error, not the others'
+            self._end(seq, Finish.error, exc)
+            return
+        finally:
+            self.stats.prefill_calls += 1
+        if out is not None:
+            seq.status = Status.decoding
+            logits, token = out
+            self._deliver(seq, logits, int(token), seq.prefill_s, seq.prefill_calls)
+
+    def _decode(self, seqs: tuple[Sequence, ...]) -> None:
+        try:
+            logits, tokens, seconds = self.runner.decode(seqs)
+        except RanksFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - host work shared by the step: its sequences end, the engine goes on
+            for seq in seqs:
+                self._end(seq, Finish.error, exc)
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(seqs)
+        if self.on_decode:
+            self.on_decode(len(seqs))
+        for seq in seqs:
+            self._deliver(seq, logits[seq.line], int(tokens[seq.line]), seconds)
+
+    def _deliver(self, seq: Sequence, logits, greedy: int, seconds: float, prefill_calls: int = 0) -> None:
+        """Choose ``seq``'s token from its logits, hand the step to it, and end it if it is done."""
+        try:
+            started = time.perf_counter()
+            token = seq.choose(logits) if seq.choose is not None else greedy
+            step = Step(token, logits, seconds + (time.perf_counter() - started), prefill_calls)
+            seq.tokens.append(token)
+            wants_more = seq.on_step(seq, step) if seq.on_step is not None else True
+        except Exception as exc:  # noqa: BLE001 - its sampler's or its consumer's error: this sequence only
+            self._end(seq, Finish.error, exc)
+            return
+        finish = seq.done_after(token) or (None if wants_more is not False else Finish.stop)
+        if finish is not None:
+            self._end(seq, finish)
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------------
+
+    def _take_incoming(self) -> None:
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+        for seq in incoming:
+            self.scheduler.add(seq)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.scheduler.held + self.scheduler.waiting if s.cancel_requested]:
+            self._end(seq, Finish.cancelled)
+
+    def _end(self, seq: Sequence, finish: Finish, error: BaseException | None = None) -> None:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish, seq.error = Status.finished, finish, error
+        if self.on_finish is not None:
+            self.on_finish(seq)
+
+    def _fail_all(self, exc: RanksFailed) -> None:
+        with self._wake:
+            self.failure = exc
+            incoming, self._incoming = self._incoming, []
+        for seq in [*self.scheduler.held, *self.scheduler.waiting, *incoming]:
+            self._end(seq, Finish.failed, exc)
