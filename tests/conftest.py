@@ -201,6 +201,23 @@ def tiny_512_fp32(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return built_once(tmp_path_factory, "e2e", build)
 
 
+BATCHED = "512_fp32+bs4"  # 512_fp32 at batch 4: fp32, so every sequence is token for token the reference's
+
+
+@pytest.fixture(scope="session")
+def tiny_batched(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny model's 512_fp32 at batch 4 built, validated (its prompts decoded alone and together, 1 to 4
+    sequences in flight) and published (``publish=local``, unsigned) by the command users run, validation shortened
+    (tests.helpers.FAST_VALIDATE): its artifacts folder and the completed process. Tests only read it."""
+    from .helpers import FAST_VALIDATE
+
+    def build(folder: Path):
+        root = folder / "artifacts"
+        return root, run_cli(f"+variant={BATCHED}", "backend=cpu", f"artifacts_dir={root}", *FAST_VALIDATE)
+
+    return built_once(tmp_path_factory, "batched", build)
+
+
 @pytest.fixture
 def fake_neuron(monkeypatch, tmp_path_factory):
     """The stand-in Neuron SDK (tests/fake_neuron), installed as the pinned release: on sys.path, PYTHONPATH (for the

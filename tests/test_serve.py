@@ -415,8 +415,13 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
             outcome["released"] = release.wait(10)
             return [1] * 600  # too many for the cache: refused once tokenized, nothing decodes
 
+        lines = 1
+
         def room(self, n):
             return 512 - n
+
+        def stop(self):
+            pass
 
         def close(self):
             pass
@@ -443,48 +448,57 @@ def test_tokenizing_a_prompt_does_not_hold_up_health():
 
 
 def test_a_requests_own_failure_is_its_answer_and_only_the_ranks_failing_stops_the_server():
-    """In one process, over an engine whose decode raises: a sampler's or tokenizer's error is a 500 for that request
-    and the next is served (any decode error failed the server for everyone); the ranks' failing stops the server."""
+    """In one process, the real decode loop over a build whose calls fail on demand: a host-side error of one
+    request's sequence (its prompt's host prefill, its sampler) is a 500 for that request and the next is served (any
+    decode error failed the server for everyone, once); the ranks' failing stops the server."""
     import asyncio
 
-    from pipeline.serving.engine import Finish, Piece, RanksFailed
+    from pipeline.core.shape import BuildShape
+    from pipeline.decoding.engine import BatchEngine
+    from pipeline.decoding.runner import RanksFailed
+    from pipeline.serving.engine import Engine
     from pipeline.serving.routes import create_app
     from pipeline.serving.service import Service
 
-    class Engine:
-        version, max_prompt_chars, vocab_size = "v", 10_000, 512
-        manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
-        shape = type("S", (), {"kv_max": 512})()
-        failures: list[BaseException] = []
+    failures: list[BaseException] = []
 
-        def text_ids(self, prompt):
-            return [1, 2, 3]
+    class Runner:  # the BatchRunner's calls, the first of which raises what the test queued
+        lines = 1
 
-        def room(self, n):
-            return 512 - n
+        def prefill(self, seq):
+            if failures:
+                raise failures.pop(0)
+            return torch.zeros(8), torch.tensor(7)
 
-        def decode(self, ids, max_tokens, stops, cancel, sampler=None, stop_ids=()):
-            if self.failures:
-                raise self.failures.pop(0)
-            yield Piece(7, "x", 0.01)
-            yield Finish("length", "", 1)
+        def decode(self, seqs):
+            raise AssertionError("max_tokens 1: never called")
 
-        def close(self):
-            pass
+    class Tokenizer:
+        def decode(self, tokens, skip_special_tokens=False):
+            return "x" * len(tokens)
 
+    engine = Engine.__new__(Engine)  # the real engine's request side, over the runner above
+    engine.version, engine.max_prompt_chars, engine.vocab_size, engine.eos_ids = "v", 10_000, 512, frozenset()
+    engine.manifest = type("M", (), {"model": type("Model", (), {"name": "tiny"})()})()
+    engine.shape, engine.tokenizer, engine._tokenizer_lock = BuildShape(512, 64, "fp32", "device", 2), Tokenizer(), \
+        threading.Lock()
+    engine.text_ids, engine.close = lambda prompt: [1, 2, 3], lambda: None
     body = b'{"model": "v", "prompt": "hi", "max_tokens": 1}'
 
     async def scenario() -> list[int]:
-        service = Service(Engine(), queue_size=2, queue_timeout_s=30, max_request_bytes=2**20, body_timeout_s=30)
+        service = Service(engine, queue_size=2, queue_timeout_s=30, max_request_bytes=2**20, body_timeout_s=30)
+        engine.batch = BatchEngine(Runner(), on_decode=engine.on_decode)
         service.open()
         service.ready()
+        service.worker.submit(service.decode_loop)
         app = create_app(service)
         statuses = []
-        Engine.failures[:] = [RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")]
+        failures[:] = [RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")]
         statuses.append(await asgi(app, "POST", "/v1/completions", body))
         statuses += [await asgi(app, "GET", "/health"), await asgi(app, "POST", "/v1/completions", body)]
-        Engine.failures[:] = [RanksFailed("the build's ranks failed in decode: EOFError: rank 1 exited")]
+        failures[:] = [RanksFailed("the build's ranks failed in prefill: EOFError: rank 1 exited")]
         statuses.append(await asgi(app, "POST", "/v1/completions", body))
+        await asyncio.sleep(0.1)  # the decode loop's failure reaches the event loop
         statuses += [await asgi(app, "GET", "/health"), await asgi(app, "POST", "/v1/completions", body)]
         service.shutdown()
         return statuses
@@ -660,10 +674,11 @@ def test_concurrent_clients_are_answered_or_refused_never_lost_or_mixed_up(publi
         assert srv.stop() == 0
 
 
-def test_the_queue_bound_holds_for_requests_arriving_together_and_during_a_hand_over():
-    """Admission alone, on one event loop, with a queue of two: six requests arriving in one tick, then two arriving
-    while the turn passes from one request to the next. asyncio's ``Lock.locked()`` is False in both moments (CI
-    let five wait behind a bound of two when the bound was read from it)."""
+def test_the_queue_bound_holds_for_requests_arriving_together_and_while_lines_change_hands():
+    """Admission alone, on one event loop, with a queue of two and two lines: six requests arriving in one tick (two
+    may wait beyond the two free lines: four taken, two refused); then, with both lines in use, the bound is the queue
+    alone; a line freed lets one more in. The counts are kept synchronously (CI once let five wait behind a bound of
+    two when it was read from a lock's state)."""
     import asyncio
 
     from prometheus_client import CollectorRegistry, Gauge
@@ -671,30 +686,37 @@ def test_the_queue_bound_holds_for_requests_arriving_together_and_during_a_hand_
     from pipeline.serving.admission import Admission
     from pipeline.serving.schemas import Refused
 
-    async def scenario() -> tuple[list, list, list[int], int]:
-        admission = Admission(queue_size=2, queue_timeout_s=30, depth=Gauge("d", "", registry=CollectorRegistry()))
-        order: list[int] = []
+    async def scenario() -> tuple[list, list, list, int]:
+        admission = Admission(queue_size=2, queue_timeout_s=30, lines=2,
+                              depth=Gauge("d", "", registry=CollectorRegistry()))
 
-        async def request(i: int) -> None:
-            await admission.enter()
-            order.append(i)
-            await asyncio.sleep(0.01)
-            admission.leave()
+        def enter():
+            try:
+                return admission.enter()
+            except Refused as exc:
+                return exc
 
-        together = await asyncio.gather(*(request(i) for i in range(6)), return_exceptions=True)
-        await admission.enter()  # this coroutine holds the turn
-        queued = [asyncio.ensure_future(request(i)) for i in (11, 12)]
-        await asyncio.sleep(0.01)  # both wait
-        admission.leave()  # hand-over: 11 is woken but has not run yet; 12 still waits
-        late = await asyncio.gather(request(13), request(14), return_exceptions=True)
-        await asyncio.gather(*queued)
-        return together, late, order, admission.admitted
+        together = [enter() for _ in range(6)]
+        tickets = [t for t in together if not isinstance(t, Refused)]
+        waits = [asyncio.ensure_future(admission.wait(t)) for t in tickets]
+        for ticket in tickets[:2]:  # the engine gives two of them a line each
+            admission.line_taken()
+            admission.started(ticket)
+        await asyncio.sleep(0.01)
+        full = [enter()]  # two wait, no line free: refused
+        admission.line_freed()  # one finished: its line is free, one more may wait for it
+        full += [enter(), enter()]
+        for ticket in tickets[2:] + [full[1]]:
+            admission.line_taken()
+            admission.started(ticket)
+        await asyncio.gather(*waits, admission.wait(full[1]))
+        return together, full, list(admission.waiting), admission.held
 
-    together, late, order, admitted = asyncio.run(scenario())
-    assert together[:3] == [None] * 3
-    assert all(isinstance(r, Refused) and r.status == 429 for r in together[3:]), together
-    assert late[0] is None and isinstance(late[1], Refused) and late[1].status == 429, late
-    assert order == [0, 1, 2, 11, 12, 13] and admitted == 0
+    together, full, waiting, held = asyncio.run(scenario())
+    assert [isinstance(t, Refused) for t in together] == [False] * 4 + [True] * 2
+    assert all(t.status == 429 for t in together[4:])
+    assert isinstance(full[0], Refused) and not isinstance(full[1], Refused) and isinstance(full[2], Refused)
+    assert waiting == [] and held == 4
 
 
 def test_a_client_that_disconnects_stops_its_decode(server):
@@ -787,7 +809,7 @@ def test_the_host_keeps_only_the_embedding_tables(published, tmp_path):
             tables = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
                          if k.endswith(EMBEDDING_TABLES))
         assert engine.host_bytes == {"embedding_tables_mapped": tables}
-        assert engine.generator.host_prefill is None
+        assert engine.batch.runner.host_prefill is None
     finally:
         engine.close()
 
@@ -830,3 +852,113 @@ def test_a_neuron_build_serves_on_the_stand_in_sdk(neuron_checked, variant, tmp_
     said = srv.log.read_text()
     assert ("host prefill model" in said) == (variant == "256_bf16_host"), said
     assert "embedding tables mapped" in said
+
+
+# -- a batched build: continuous batching ---------------------------------------------------------------------------
+
+def metric(srv: Server, name: str) -> float:
+    """One sample of ``/metrics`` (the first line starting with ``name``)."""
+    return next(float(line.split()[-1]) for line in srv.get("/metrics").text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def batched_server(tiny_batched, tmp_path_factory):
+    """``serve`` on the tiny 512_fp32 at batch 4 (four cache lines), a queue of eight."""
+    from .conftest import BATCHED
+
+    root, _ = tiny_batched
+    version = json.loads((root / "gemma4_tiny" / BATCHED / "publish.json").read_text())["tag"]
+    published = (root / "published", root / "gemma4_tiny" / "weights", version)
+    dest = tmp_path_factory.mktemp("dest")
+    srv = Server(published, dest, source=[str(root / "published"), BATCHED, "--dest", str(dest), "--allow-unsigned"])
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_eight_clients_at_once_each_get_what_they_get_alone(batched_server):
+    """Eight clients at once against four lines, through the openai client: greedy chats of different lengths,
+    seeded samples, a stream, ``n`` choices and a list of prompts. Every answer is byte-identical to the same request
+    sent alone; the four lines were all in use and decode steps held several sequences; /health kept answering."""
+    from openai import OpenAI
+
+    srv = batched_server
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    topics = ["the sea", "a lighthouse", "mountains", "the capital of France"]
+
+    def ask(i: int) -> object:
+        if i < 3:
+            return client.chat.completions.create(
+                model=srv.version, messages=[{"role": "user", "content": f"Tell me about {topics[i]}."}],
+                max_tokens=24 + 8 * i).choices[0].message.content
+        if i < 5:
+            return client.completions.create(model=srv.version, prompt=f"Once upon a time, {topics[i - 3]}",
+                                             max_tokens=20, temperature=1.2, seed=40 + i).choices[0].text
+        if i == 5:
+            return "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model=srv.version, prompt="A lighthouse keeper", max_tokens=28, stream=True) if chunk.choices)
+        if i == 6:
+            reply = client.completions.create(model=srv.version, prompt="The sea", max_tokens=16, temperature=1.0,
+                                              seed=5, n=3)
+            return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+        reply = client.completions.create(model=srv.version, prompt=["North", "South"], max_tokens=12)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    seen = {"lines": 0.0, "health_ms": 0.0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            assert srv.get("/health").status == 200
+            seen["health_ms"] = max(seen["health_ms"], 1e3 * (time.perf_counter() - started))
+            seen["lines"] = max(seen["lines"], metric(srv, "serve_batch_slots_in_use "))
+            time.sleep(0.02)
+
+    answers: dict[int, object] = {}
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    stop.set()
+    watcher.join()
+    assert sorted(answers) == list(range(8))
+    for i in range(8):  # the same request again, alone
+        assert ask(i) == answers[i], i
+    assert seen["lines"] == 4 and metric(srv, "serve_batch_slots ") == 4
+    occupancy = {line.split('le="')[1].split('"')[0]: float(line.split()[-1])
+                 for line in srv.get("/metrics").text.splitlines() if line.startswith("serve_batch_occupancy_bucket")}
+    assert occupancy["3.0"] < occupancy["4.0"]  # some decode steps held all four sequences
+    assert seen["health_ms"] < 1000
+
+
+def test_a_client_that_leaves_frees_its_lines_for_the_sequences_waiting(batched_server):
+    """Two streamed clients of three choices each: the first takes three lines, the second the fourth (its other
+    two choices wait); the first leaves, and its lines go to the second's waiting choices; the second leaves, and
+    every line is free again."""
+    srv = batched_server
+    body = {"model": srv.version, "prompt": "The sea", "max_tokens": 400, "n": 3, "stream": True}
+    leaving = HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    leaving.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    assert leaving.getresponse().status == 200
+    staying = HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    staying.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = staying.getresponse()
+    assert response.status == 200
+    deadline = time.monotonic() + 60
+    while metric(srv, "serve_batch_slots_in_use ") < 4 and time.monotonic() < deadline:
+        response.readline()  # the second client's choices take the lines the first left free (one of its three waits)
+    assert metric(srv, "serve_batch_slots_in_use ") == 4
+    leaving.close()  # its three choices end; the staying client's third takes a line
+    deadline = time.monotonic() + 30
+    while metric(srv, "serve_batch_slots_in_use ") != 3 and time.monotonic() < deadline:
+        response.readline()
+    assert metric(srv, "serve_batch_slots_in_use ") == 3
+    staying.close()
+    deadline = time.monotonic() + 30
+    while metric(srv, "serve_batch_slots_in_use ") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(srv, "serve_batch_slots_in_use ") == 0

@@ -119,7 +119,8 @@ def example_inputs(spec, tokens: int, rows: int = 1) -> tuple[torch.Tensor, ...]
     """
     embeds = torch.zeros(rows, tokens, spec.hidden_size)
     per_layer = torch.zeros(rows, tokens, spec.num_layers, spec.ple_dim) if spec.ple_dim else torch.zeros(0)
-    positions = torch.arange(tokens).repeat(rows, 1)
+    # (torch 2.8 saves a trace's example inputs in the rank file: batch 1's are built as they always were)
+    positions = torch.arange(tokens).view(1, tokens) if rows == 1 else torch.arange(tokens).repeat(rows, 1)
     return embeds, per_layer, positions, torch.tensor([tokens - 1])
 
 

@@ -93,8 +93,11 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
     del state
     loaded = time.monotonic()
     with torch.no_grad():
-        traced = torch.jit.trace_module(module, {e: entry_inputs(spec, shape, e) for e in shape.entries},
-                                        check_trace=False)
+        # Both entries' examples, alive until the rank is saved, as they always were: torch 2.8 writes a trace's
+        # example inputs into the file, and what its pickler memoizes there depends on what else is alive (batch 1's
+        # bytes are kept as they were).
+        examples = {e: entry_inputs(spec, shape, e) for e in ("prefill", "decode")}
+        traced = torch.jit.trace_module(module, {e: examples[e] for e in shape.entries}, check_trace=False)
         for name, buf in traced.named_buffers():
             if "_cache_" in name:
                 buf.zero_()  # tracing ran the examples through the caches

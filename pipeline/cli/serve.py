@@ -14,11 +14,13 @@ background: ``GET /health`` answers 503 ``loading`` until the build is loaded an
 
 Routes (pipeline/serving/routes.py): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the
 version is the model id), ``POST /generate`` (``{"prompt": ..., "max_tokens": ...}``), ``GET /health`` and
-``GET /metrics``. One request decodes at a time; up to ``--queue-size`` wait, each up to ``--queue-timeout`` seconds.
+``GET /metrics``. The build's ``batch_size`` sequences decode at once (a request's ``n`` choices and prompts are a
+sequence each); up to ``--queue-size`` requests wait for a free one beyond those, each up to ``--queue-timeout``
+seconds.
 A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read, one slower than
 ``--body-timeout`` 408; at most ``--max-connections`` are open at once (past it the oldest idle one is closed), and
 one whose headers take longer than ``--header-timeout`` is closed (pipeline/serving/connections.py). SIGTERM or
-Ctrl-C: the running request finishes, the waiting ones and any new one get 503, and the command exits 0.
+Ctrl-C: the requests decoding finish, the waiting ones and any new one get 503, and the command exits 0.
 
     python -m pipeline serve your-org/gemma-4-E4B-it-inferentia2 2048_bf16 --checkpoint /data/gemma-4-E4B-it \\
         --dest /workspace --public-key signing-key.pub.pem --port 8000
@@ -47,7 +49,7 @@ from pipeline.core.log import exit_on_error, log, setup
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a prompt that fills a 2048-token cache is about 10 KB of text
-DEFAULT_MAX_CONNECTIONS = 256  # one decodes at a time and --queue-size wait: the rest are health probes and idlers
+DEFAULT_MAX_CONNECTIONS = 256  # batch_size decode and --queue-size wait: the rest are health probes and idlers
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a client sends its headers in one write; 10 s is ample on any network
 DEFAULT_BODY_TIMEOUT_S = 30.0  # 1 MiB (--max-request-bytes) at 35 KB/s
 
@@ -102,8 +104,9 @@ def obtain(args: argparse.Namespace) -> Path:
 
 
 def run_server(service, sock, limits: argparse.Namespace) -> int:
-    """Serve until SIGTERM or Ctrl-C; the build loads in the decode thread meanwhile. 0, or 1 when the load
-    failed (the server stops at once: a server that will never be ready must not look alive)."""
+    """Serve until SIGTERM or Ctrl-C; the build loads in the decode thread meanwhile, which then runs the decode
+    loop. 0, or 1 when the load failed (the server stops at once: a server that will never be ready must not look
+    alive)."""
     import uvicorn
 
     from pipeline.serving.connections import OncePer, bounded_protocol
@@ -142,6 +145,8 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
             log.error("serve: loading %s failed: %s", service.engine.version, exc)
             failed.set()
             server.should_exit = True
+            return
+        service.decode_loop()
 
     async def main() -> None:
         server.loop = asyncio.get_running_loop()
@@ -169,8 +174,8 @@ def arguments() -> argparse.ArgumentParser:
     add_source_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait while one decodes; "
-                                                                 "past it: 429")
+    parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a free sequence "
+                                                                 "beyond those decoding; past it: 429")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait; past it: 503")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"the largest request body taken; past it: 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "

@@ -36,14 +36,11 @@ class BatchEngine:
     """One loaded build's decoding. ``step`` is called from one thread at a time; ``submit`` and ``Sequence.cancel``
     from any."""
 
-    def __init__(self, runner: BatchRunner, on_finish: Callable[[Sequence], None] | None = None,
-                 on_decode: Callable[[int], None] | None = None):
+    def __init__(self, runner: BatchRunner, on_decode: Callable[[int], None] | None = None):
         self.runner = runner
         self.scheduler = Scheduler(runner.lines)
-        self.on_finish = on_finish
-        """Called (in the engine's thread) with each sequence as it ends, however it ends."""
         self.on_decode = on_decode
-        """Called with the number of sequences in each decode step."""
+        """Called (in the engine's thread) with the number of sequences in each decode step."""
         self.stats = EngineStats()
         self.failure: RanksFailed | None = None
         self._incoming: list[Sequence] = []
@@ -112,6 +109,8 @@ class BatchEngine:
 
     def _prefill(self, seq: Sequence) -> None:
         try:
+            if seq.prefill_calls == 0 and seq.prefilled == 0 and seq.on_start is not None:
+                seq.on_start(seq)  # its first call: it has just taken its line
             out = self.runner.prefill(seq)
         except RanksFailed:
             raise
@@ -171,8 +170,8 @@ class BatchEngine:
     def _end(self, seq: Sequence, finish: Finish, error: BaseException | None = None) -> None:
         self.scheduler.remove(seq)
         seq.status, seq.finish, seq.error = Status.finished, finish, error
-        if self.on_finish is not None:
-            self.on_finish(seq)
+        if seq.on_end is not None:
+            seq.on_end(seq)
 
     def _fail_all(self, exc: RanksFailed) -> None:
         with self._wake:

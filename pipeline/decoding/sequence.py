@@ -69,8 +69,9 @@ class Sequence:
 
     ``choose`` picks a token from a step's logits (serve's sampling); None takes the build's own argmax, what
     validation checks. ``forced`` feeds these tokens instead of the sequence's own choices (teacher forcing), one
-    step each. ``group`` is what admission is fair between (serve's requests). ``on_step`` is called with each step
-    as it is chosen, in the engine's thread; it returns False to end the sequence there (a stop string).
+    step each. ``group`` is what admission is fair between (serve's requests). The hooks are called in the engine's
+    thread: ``on_start`` when it takes its cache line, ``on_step`` with each step as it is chosen (it returns False
+    to end the sequence there: a stop string), ``on_end`` once it has ended, however it ended (``finish``).
     """
 
     prompt: list[int]
@@ -80,6 +81,8 @@ class Sequence:
     forced: list[int] | None = None
     group: object = None
     on_step: Callable[[Sequence, Step], bool] | None = None
+    on_start: Callable[[Sequence], None] | None = None
+    on_end: Callable[[Sequence], None] | None = None
 
     status: Status = Status.waiting
     line: int | None = None

@@ -1,7 +1,9 @@
-"""Admission to the one decode at a time (the graphs are batch 1): ``Admission`` holds the other requests in a bounded
-FIFO queue, past ``queue_size`` waiting a 429 at once, past ``queue_timeout_s`` of waiting a 503, both with
-``Retry-After``. Its own module: the queue's bookkeeping is subtle (the class says why) and needs nothing of the
-service but the gauge it keeps current.
+"""Admission to the build's cache lines: how many requests may wait for one, and for how long. A request waits until
+its first sequence takes a line (the decode engine's scheduler decides which, between decode steps:
+pipeline/decoding/scheduler.py). At most ``queue_size`` requests wait beyond the lines free (past it: 429 at once),
+each at most ``queue_timeout_s`` (past it: 503, its sequences given up); both with ``Retry-After``. Its own module:
+the counts are kept here, on the event loop, from what the engine's thread reports (``line_taken``, ``line_freed``,
+``started``), and need nothing of the service but the gauge they keep current.
 """
 
 from __future__ import annotations
@@ -13,70 +15,84 @@ from prometheus_client import Gauge
 from pipeline.serving.schemas import Refused
 
 
+class Ticket:
+    """One request's place: waiting until ``started`` is set (its first sequence took a line)."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+
+
 class Admission:
-    """One request decodes at a time; at most ``queue_size`` wait, each at most ``queue_timeout_s`` (FIFO: asyncio's
-    lock wakes its waiters in order).
+    """The requests waiting for a line, and the lines in use, for a build of ``lines`` lines.
 
-    The bound is counted here, synchronously, not read from the lock: ``Lock.locked()`` is False between one
-    holder's release and the next waiter's wake-up, and before a first request's acquire has run, so requests
-    arriving in those moments would all pass a ``locked()`` check (CI saw five waiting behind a bound of two)."""
+    A request is taken while fewer than ``queue_size`` plus the free lines are waiting: with every line in use, exactly
+    ``queue_size`` may wait; with lines free, as many more as there are free lines, since those are about to start.
+    The counts change synchronously on the event loop, so requests arriving together cannot all pass one check (CI
+    once saw five waiting behind a bound of two, when a check read a lock's state instead of a count)."""
 
-    def __init__(self, queue_size: int, queue_timeout_s: float, depth: Gauge):
-        self.queue_size, self.queue_timeout_s, self.depth = queue_size, queue_timeout_s, depth
-        self._turn = asyncio.Lock()
+    def __init__(self, queue_size: int, queue_timeout_s: float, lines: int, depth: Gauge):
+        self.queue_size, self.queue_timeout_s, self.lines, self.depth = queue_size, queue_timeout_s, lines, depth
+        self.waiting: set[Ticket] = set()
+        self.held = 0  # lines in use (prefilling or decoding)
         self._closed = asyncio.Event()
-        self.admitted = 0  # the request decoding (or about to) plus those waiting behind it
-
-    @property
-    def waiting(self) -> int:
-        return max(0, self.admitted - 1)
-
-    def close(self) -> None:
-        self._closed.set()
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    async def enter(self) -> None:
-        """Return holding the turn, or raise ``Refused`` (queue full: 429; waited too long, or closing: 503)."""
+    def close(self) -> None:
+        """Refuse new requests, and the waiting ones (503); those holding lines finish."""
+        self._closed.set()
+
+    def enter(self) -> Ticket:
+        """A place in the queue, or ``Refused`` (429: the queue is full; 503: closing)."""
         if self.closed:
             raise Refused(503, "the server is shutting down", retry_after_s=5)
-        if self.admitted > self.queue_size:  # one decoding and queue_size waiting
-            raise Refused(429, f"{self.waiting} requests are already waiting (the queue holds {self.queue_size}); "
-                               "retry later", retry_after_s=max(1, round(self.queue_timeout_s / 4)))
-        self._count(+1)
-        acquire = asyncio.ensure_future(self._turn.acquire())
+        free = max(0, self.lines - self.held)
+        if len(self.waiting) >= self.queue_size + free:
+            raise Refused(429, f"{len(self.waiting)} requests are already waiting for one of the {self.lines} "
+                               f"sequences decoded at once (the queue holds {self.queue_size}); retry later",
+                          retry_after_s=self._retry_after())
+        ticket = Ticket()
+        self.waiting.add(ticket)
+        self._gauge()
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Return once ``ticket``'s request has a line; ``Refused`` (503) if it waited ``queue_timeout_s`` or the server
+        began closing first. The ticket leaves the queue either way (and when the request is cancelled meanwhile)."""
+        started = asyncio.ensure_future(ticket.started.wait())
         closing = asyncio.ensure_future(self._closed.wait())
         try:
-            await asyncio.wait({acquire, closing}, timeout=self.queue_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the request was cancelled while it waited (its client went away)
-            self._give_back(acquire)
-            raise
+            await asyncio.wait({started, closing}, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            started.cancel()
             closing.cancel()
-        if acquire.done() and not self.closed:
+            self.leave(ticket)
+        if ticket.started.is_set():
             return
-        self._give_back(acquire)
         if self.closed:
             raise Refused(503, "the server is shutting down", retry_after_s=5)
-        raise Refused(503, f"waited {self.queue_timeout_s:g} s for the requests ahead; retry later",
-                      retry_after_s=max(1, round(self.queue_timeout_s / 4)))
+        raise Refused(503, f"waited {self.queue_timeout_s:g} s for one of the {self.lines} sequences decoded at once; "
+                           "retry later", retry_after_s=self._retry_after())
 
-    def leave(self) -> None:
-        self._turn.release()
-        self._count(-1)
+    def leave(self, ticket: Ticket) -> None:
+        self.waiting.discard(ticket)
+        self._gauge()
 
-    def _count(self, step: int) -> None:
-        self.admitted += step
-        self.depth.set(self.waiting)
+    # -- what the engine's thread reports (through the event loop) ---------------------------------------------------
 
-    def _give_back(self, acquire: asyncio.Future) -> None:
-        """Leave the queue; if the turn was granted meanwhile, pass it on (else nobody would ever run again)."""
-        self._count(-1)
-        if acquire.done():
-            if not acquire.cancelled() and acquire.exception() is None:
-                self._turn.release()
-        else:
-            acquire.cancel()  # asyncio's Lock.acquire, cancelled, wakes the next waiter itself if it was chosen
+    def started(self, ticket: Ticket) -> None:
+        ticket.started.set()
+
+    def line_taken(self) -> None:
+        self.held += 1
+
+    def line_freed(self) -> None:
+        self.held = max(0, self.held - 1)
+
+    def _gauge(self) -> None:
+        self.depth.set(len(self.waiting))
+
+    def _retry_after(self) -> int:
+        return max(1, round(self.queue_timeout_s / 4))

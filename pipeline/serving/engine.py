@@ -1,4 +1,4 @@
-"""The decode engine behind ``serve``: one verified build, loaded once, decoding one request at a time.
+"""The decode engine behind ``serve``: one verified build, loaded once, decoding every request's sequences together.
 
 ``Engine.load`` does what ``generate`` does (verify the rank files against the manifest, by pull's record where
 they are unchanged since it hashed them, load them with the backend that built them, open the checkpoint for the
@@ -9,14 +9,16 @@ and no float copy of a table is on the host. A host-prefill build
 is the exception: the prompt runs through the prefill model on the host (``HostPrefill``), which holds every decoder
 layer at the build's dtype; ``host_bytes`` says how much, and ``serve`` logs it.
 
-Requests arrive as token ids (``chat_ids`` and ``text_ids`` make them) and leave as a stream of ``Piece``s: the text
-each token adds, found by decoding everything generated so far (a token may end in the middle of a character), held
-back while it could be the start of a stop string. ``decode`` runs in one worker thread; ``cancel`` stops it between
-two tokens.
+The build's ``batch_size`` sequences decode at once (pipeline/decoding/: the scheduler admits, interleaves prefill
+calls with decode steps, and frees a finished sequence's line for the next). ``serve_forever`` runs that loop in the
+thread that loaded the build (a backend's rank processes end with the thread that started them). Requests arrive as
+token ids (``chat_ids`` and ``text_ids`` make them); each of their sequences leaves as a stream of ``Piece``s
+(``TextStream``, in the loop's thread): the text each token adds, found by decoding everything generated so far (a
+token may end in the middle of a character), held back while it could be the start of a stop string.
 
 What fails is told apart: an exception raised by the build's ranks (``RanksFailed``: a rank process died, the
-runtime raised) leaves nothing to serve with, and the server stops taking requests; anything else a decode raises
-(the sampler, the tokenizer, the host's own prefill) is that one request's error, and the next request is served.
+runtime raised) leaves nothing to serve with, and the server stops taking requests; anything else a sequence's decode
+raises (its sampler, the tokenizer, the host's prefill of its prompt) is that sequence's error, and the others go on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +37,11 @@ from pipeline.backends import get_backend
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
-from pipeline.decoding.runner import DECODE_THREADS
+from pipeline.decoding.engine import BatchEngine
+from pipeline.decoding.runner import DECODE_THREADS, BatchRunner
+from pipeline.decoding.sequence import Finish as SequenceFinish
+from pipeline.decoding.sequence import Sequence, Step
 from pipeline.serving.sampling import Sampler, TokenLogprob
-from pipeline.validation.generation import Generator
 from pipeline.validation.prompts import messages_ids
 
 WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
@@ -58,6 +62,60 @@ class Finish:
     reason: str  # "stop" (an end-of-sequence token or a stop string), "length" (max_tokens reached), "cancelled"
     text: str  # what was held back and is now released (the stop string itself never is)
     completion_tokens: int
+
+
+class TextStream:
+    """One sequence's text as it decodes, handed to ``sink`` as it comes (``Piece`` per token, then one ``Finish``, or
+    the exception that ended it), from the engine's thread. Ends the sequence at an end-of-sequence token or one of
+    ``stop_ids`` (not shown), or at a stop string (the text cut before it)."""
+
+    def __init__(self, engine: Engine, stops: tuple[str, ...], stop_ids: tuple[int, ...], sampler: Sampler | None,
+                 sink: Callable[[Piece | Finish | BaseException], None],
+                 ended: Callable[[Sequence], None] | None = None):
+        self.engine, self.stops, self.stop_ids, self.sampler, self.sink = engine, stops, stop_ids, sampler, sink
+        self.ended = ended
+        self.tokens: list[int] = []
+        self.shown = 0  # characters of the generated text already given out
+        self.done = False
+
+    def on_step(self, seq: Sequence, step: Step) -> bool:
+        if step.token in self.engine.eos_ids or step.token in self.stop_ids:
+            self._finish("stop", self.engine.text(self.tokens)[self.shown:], len(self.tokens) + 1)
+            return False
+        self.tokens.append(step.token)
+        text = self.engine.text(self.tokens)
+        logprob = self.sampler.logprobs[-1] if self.sampler and self.sampler.params.top_logprobs is not None else None
+        cut = min((text.find(s, max(0, self.shown - len(s))) for s in self.stops if s in text), default=-1)
+        if cut >= 0:
+            self.sink(Piece(step.token, "", step.seconds, logprob))
+            self._finish("stop", text[self.shown:cut], len(self.tokens))
+            return False
+        ready = len(text) - held_back(text, self.stops)
+        self.sink(Piece(step.token, text[self.shown:ready], step.seconds, logprob))
+        self.shown = max(self.shown, ready)
+        return True
+
+    def on_end(self, seq: Sequence) -> None:
+        self._last_item(seq)
+        if self.ended is not None:
+            self.ended(seq)
+
+    def _last_item(self, seq: Sequence) -> None:
+        if self.done:
+            return
+        if seq.finish == SequenceFinish.length:
+            self._finish("length", self.engine.text(self.tokens)[self.shown:], len(self.tokens))
+        elif seq.finish == SequenceFinish.cancelled:
+            self._finish("cancelled", "", len(self.tokens))
+        elif seq.finish == SequenceFinish.stop:  # its end-of-sequence token: on_step said so already
+            self._finish("stop", self.engine.text(self.tokens)[self.shown:], len(self.tokens))
+        else:  # its own error, or the ranks'
+            self.done = True
+            self.sink(seq.error)
+
+    def _finish(self, reason: str, text: str, count: int) -> None:
+        self.done = True
+        self.sink(Finish(reason, text, count))
 
 
 def text_prefix_of(checkpoint: Path) -> str:
@@ -101,7 +159,8 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Engine:
-    """A loaded build. ``load`` and ``close`` bracket its life; ``decode`` is called from one thread at a time."""
+    """A loaded build. ``load`` and ``close`` bracket its life; ``serve_forever`` runs its decode loop in the thread
+    that loaded it; ``submit`` and a sequence's ``cancel`` are called from any thread."""
 
     def __init__(self, rank_dir: Path, checkpoint: Path, text_prefix: str | None = None,
                  decode_threads: int = DECODE_THREADS):
@@ -114,7 +173,10 @@ class Engine:
         self.shape: BuildShape = self.manifest.shape
         self._stack = contextlib.ExitStack()
         self.tokenizer = None
-        self.generator: Generator | None = None
+        self.batch: BatchEngine | None = None
+        self.on_decode: Callable[[int], None] | None = None
+        """Called with the sequences of each decode step (serve's occupancy metric); set before ``load``."""
+        self.eos_ids: frozenset[int] = frozenset()
         self.host_bytes: dict[str, int] = {}
         self.max_prompt_chars = 0  # set by load
         self.vocab_size = 0  # set by load
@@ -122,6 +184,11 @@ class Engine:
         # reconfigures the Rust tokenizer on each call (truncation, padding), which another thread's call at the same
         # moment meets as "Already borrowed" (huggingface/tokenizers#537): one at a time.
         self._tokenizer_lock = threading.Lock()
+
+    @property
+    def lines(self) -> int:
+        """How many sequences decode at once: the build's ``batch_size``."""
+        return self.shape.batch_size
 
     def verify(self, full: bool = False) -> str:
         """The rank files against the manifest, and the checkpoint's tokenizer: before any load. A pulled version's
@@ -142,6 +209,7 @@ class Engine:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.shape.kv_max)
         spec = load_spec(self.checkpoint)
         self.vocab_size = spec.vocab_size  # what logit_bias and stop_token_ids may name
+        self.eos_ids = frozenset(spec.eos_token_ids)
         ckpt = self._stack.enter_context(
             Checkpoint(self.checkpoint, self.text_prefix or text_prefix_of(self.checkpoint)))
         ckpt.verify(spec)
@@ -152,13 +220,23 @@ class Engine:
             self.host_bytes["host_prefill_model"] = sum(
                 t.numel() * t.element_size() for t in host.model.state_dict().values())
         runner = self._stack.enter_context(get_backend(self.manifest.backend).load(self.build, self.shape))
-        self.generator = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id, host,
-                                   decode_threads=self.decode_threads)
+        self.batch = BatchEngine(BatchRunner(runner, HostEmbeddings(ckpt, spec), spec.pad_token_id, host,
+                                             decode_threads=self.decode_threads), on_decode=self.on_decode)
         started = time.perf_counter()
-        for _ in self.decode(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, (), threading.Event()):
-            pass
-        log.info("serve: %s loaded; warm-up (a prefill and a decode step) took %.0f ms", self.version,
-                 (time.perf_counter() - started) * 1e3)
+        warmup = Sequence(self.chat_ids([{"role": "user", "content": WARMUP_CONTENT}]), 2, self.eos_ids)
+        self.batch.run(warmup)
+        if warmup.error is not None:
+            raise warmup.error
+        log.info("serve: %s loaded (%d sequence%s at once); warm-up (a prefill and a decode step) took %.0f ms",
+                 self.version, self.lines, "s" if self.lines > 1 else "", (time.perf_counter() - started) * 1e3)
+
+    def serve_forever(self) -> None:
+        """The decode loop, until ``stop`` and every sequence it holds is done (or the ranks fail: ``RanksFailed``)."""
+        self.batch.serve_forever()
+
+    def stop(self) -> None:
+        if self.batch is not None:
+            self.batch.stop()
 
     def close(self) -> None:
         self._stack.close()
@@ -182,35 +260,21 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer.decode([token])
 
-    def decode(self, ids: list[int], max_tokens: int, stops: tuple[str, ...], cancel: threading.Event,
-               sampler: Sampler | None = None, stop_ids: tuple[int, ...] = ()) -> Iterator[Piece | Finish]:
-        """Decode (greedy, or ``sampler``'s choices): a ``Piece`` per token, then one ``Finish``. Stops at an
-        end-of-sequence token or one of ``stop_ids`` (not shown), at a stop string (cut before it), after
-        ``max_tokens``, or at the first step after ``cancel`` is set."""
-        tokens: list[int] = []
-        shown = 0  # characters of the generated text already given out
-        choose = sampler.choose if sampler else None
-        for step in self.generator.steps(ids, max_tokens, choose=choose):
-            if step.token in self.generator.eos_ids or step.token in stop_ids:
-                text = self._text(tokens)
-                yield Finish("stop", text[shown:], len(tokens) + 1)
-                return
-            tokens.append(step.token)
-            text = self._text(tokens)
-            logprob = sampler.logprobs[-1] if sampler and sampler.params.top_logprobs is not None else None
-            cut = min((text.find(s, max(0, shown - len(s))) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                yield Piece(step.token, "", step.seconds, logprob)
-                yield Finish("stop", text[shown:cut], len(tokens))
-                return
-            ready = len(text) - held_back(text, stops)
-            yield Piece(step.token, text[shown:ready], step.seconds, logprob)
-            shown = max(shown, ready)
-            if cancel.is_set():
-                yield Finish("cancelled", "", len(tokens))
-                return
-        yield Finish("length", self._text(tokens)[shown:], len(tokens))
-
-    def _text(self, tokens: list[int]) -> str:
+    def text(self, tokens: list[int]) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def sequence(self, ids: list[int], max_tokens: int, stops: tuple[str, ...], sink, sampler: Sampler | None = None,
+                 stop_ids: tuple[int, ...] = (), group: object = None, on_start=None, on_end=None) -> Sequence:
+        """A sequence decoding ``ids`` (greedy, or ``sampler``'s choices) whose text goes to ``sink``
+        (``TextStream``), with the caller's hooks (``on_end`` after its last item); ``submit`` it."""
+        stream = TextStream(self, stops, stop_ids, sampler, sink, on_end)
+        return Sequence(list(ids), max_tokens, self.eos_ids, sampler.choose if sampler else None, group=group,
+                        on_step=stream.on_step, on_start=on_start, on_end=stream.on_end)
+
+    def submit(self, *sequences: Sequence) -> None:
+        self.batch.submit(*sequences)
+
+    def wake(self) -> None:
+        """Have the loop look at its sequences again (one was cancelled)."""
+        self.batch.wake()

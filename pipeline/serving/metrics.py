@@ -1,6 +1,7 @@
 """``/metrics`` in Prometheus' text format: requests by route and status (counted by ``CountRequests``, an ASGI
-middleware), time to first token and per-token latency histograms, tokens generated, and the queue's depth. Its own
-module so that every metric the server exports is named in one place.
+middleware), time to first token and per-token latency histograms, tokens generated, the queue's depth, the cache lines
+(sequences decoded at once) and how many are in use, and each decode step's occupancy. Its own module so that every
+metric the server exports is named in one place.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, lines: int = 1) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("serve_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -21,7 +22,14 @@ class Metrics:
                                        buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1),
                                        registry=self.registry)
         self.tokens = Counter("serve_tokens_generated", "Tokens generated", registry=self.registry)
-        self.queue_depth = Gauge("serve_queue_depth", "Requests waiting for their turn", registry=self.registry)
+        self.queue_depth = Gauge("serve_queue_depth", "Requests waiting for a cache line", registry=self.registry)
+        self.slots = Gauge("serve_batch_slots", "Sequences the build decodes at once (its batch_size)",
+                           registry=self.registry)
+        self.slots.set(lines)
+        self.slots_in_use = Gauge("serve_batch_slots_in_use", "Cache lines holding a sequence (prefilling or "
+                                  "decoding)", registry=self.registry)
+        self.occupancy = Histogram("serve_batch_occupancy", "Sequences in each decode step",
+                                   buckets=tuple(range(1, lines + 1)), registry=self.registry)
 
 
 class CountRequests:

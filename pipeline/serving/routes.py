@@ -31,16 +31,7 @@ from pipeline.serving.schemas import (
     parse,
     stops_of,
 )
-from pipeline.serving.service import (
-    Choice,
-    Decoding,
-    Service,
-    choices_of,
-    complete_all,
-    prompt_tokens,
-    usage,
-    usage_of,
-)
+from pipeline.serving.service import Choice, Decoding, Service, choices_of, prompt_tokens, usage, usage_of
 
 
 def create_app(service: Service) -> FastAPI:
@@ -120,45 +111,41 @@ async def chat(request: Request):
     reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "created": created, "model": engine.version}
     if not body.stream:
-        outs = await complete_all(service, request, choices, stops, arrived, stop_ids)
+        outs = await service.complete(request, choices, stops, arrived, stop_ids)
         return {**head, "object": "chat.completion", "choices": [{
             "index": c.index, "message": {"role": "assistant", "content": out.text},
             "logprobs": chat_logprobs(engine, out.logprobs, c.sampling), "finish_reason": out.finish_reason}
             for c, out in zip(choices, outs, strict=True)], "usage": usage_of(choices, outs)}
-    first = choices[0]  # started here: a refusal keeps its status
-    decoding = await service.start(request, first.ids, first.max_tokens, stops, arrived, first.sampling, stop_ids)
-
-    def events(decoding: Decoding, choice: Choice, completed: list[int]) -> AsyncIterator[str]:
-        return chat_events(decoding, head, engine, choice, completed)
-
-    def usage_event(figures: dict) -> str:
-        return sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": figures})
-
-    return streaming(one_after_another(service, request, choices, decoding, stops, stop_ids, events,
-                                       usage_event if include_usage(body) else None))
+    decoding = await service.start(request, choices, stops, arrived, stop_ids)  # here: a refusal keeps its status
+    return streaming(chat_events(decoding, head, engine, include_usage(body)))
 
 
-async def chat_events(decoding: Decoding, head: dict, engine: Engine, choice: Choice,
-                      completed: list[int]) -> AsyncIterator[str]:
-    """One choice of a chat stream: the assistant's role, one event per token, the finish."""
+async def chat_events(decoding: Decoding, head: dict, engine: Engine, with_usage: bool) -> AsyncIterator[str]:
+    """A chat stream: each choice's assistant role, then one event per token of whichever choice decoded it (the
+    choices decode side by side), each choice's finish, the usage if asked, and [DONE]."""
 
-    def chunk(delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+    def chunk(choice: Choice, delta: dict, finish: str | None, logprob: TokenLogprob | None = None) -> str:
         logprobs = chat_logprobs(engine, [logprob], choice.sampling) if logprob else None
         return sse({**head, "object": "chat.completion.chunk",
                     "choices": [{"index": choice.index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]})
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    async for item in stream_items(decoding):
+    for choice in decoding.choices:
+        yield chunk(choice, {"role": "assistant", "content": ""}, None)
+    completed = [0]
+    async for choice, item in stream_items(decoding, completed):
         if isinstance(item, str):
             yield item  # an error after the stream began
         elif isinstance(item, Piece):  # one event per token, its text possibly held back
-            yield chunk({"content": item.text}, None, item.logprob)
+            yield chunk(choice, {"content": item.text}, None, item.logprob)
         else:
             if item.text:
-                yield chunk({"content": item.text}, None)
-            yield chunk({}, item.reason)
-            completed[0] += item.completion_tokens
+                yield chunk(choice, {"content": item.text}, None)
+            yield chunk(choice, {}, item.reason)
+    if with_usage:
+        yield sse({**head, "object": "chat.completion.chunk", "choices": [],
+                   "usage": usage(prompt_tokens(decoding.choices), completed[0])})
+    yield sse("[DONE]")
 
 
 async def completions(request: Request):
@@ -167,7 +154,7 @@ async def completions(request: Request):
     body, engine, stops = await accept(request, CompletionRequest)
     texts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
     if len(texts) > MAX_PROMPTS:
-        raise Refused(400, f"{len(texts)} prompts: at most {MAX_PROMPTS} per request (each decoded in turn)",
+        raise Refused(400, f"{len(texts)} prompts: at most {MAX_PROMPTS} per request (each a sequence of its own)",
                       "prompt")
     prompts = []
     for i, text in enumerate(texts):
@@ -180,44 +167,38 @@ async def completions(request: Request):
     reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": reply_id, "object": "text_completion", "created": created, "model": engine.version}
     if not body.stream:
-        outs = await complete_all(service, request, choices, stops, arrived, stop_ids)
+        outs = await service.complete(request, choices, stops, arrived, stop_ids)
         return {**head, "choices": [{"index": c.index, "text": out.text,
                                      "logprobs": completion_logprobs(engine, out.logprobs, c.sampling),
                                      "finish_reason": out.finish_reason}
                                     for c, out in zip(choices, outs, strict=True)],
                 "usage": usage_of(choices, outs)}
-    first = choices[0]  # started here: a refusal keeps its status
-    decoding = await service.start(request, first.ids, first.max_tokens, stops, arrived, first.sampling, stop_ids)
-
-    def events(decoding: Decoding, choice: Choice, completed: list[int]) -> AsyncIterator[str]:
-        return completion_events(decoding, head, engine, choice, completed)
-
-    def usage_event(figures: dict) -> str:
-        return sse({**head, "choices": [], "usage": figures})
-
-    return streaming(one_after_another(service, request, choices, decoding, stops, stop_ids, events,
-                                       usage_event if include_usage(body) else None))
+    decoding = await service.start(request, choices, stops, arrived, stop_ids)  # here: a refusal keeps its status
+    return streaming(completion_events(decoding, head, engine, include_usage(body)))
 
 
-async def completion_events(decoding: Decoding, head: dict, engine: Engine, choice: Choice,
-                            completed: list[int]) -> AsyncIterator[str]:
-    """One choice of a completion stream: one event per token, the last with the finish."""
-    offset = [0]  # characters streamed so far: each event's logprobs carry their text_offset
+async def completion_events(decoding: Decoding, head: dict, engine: Engine, with_usage: bool) -> AsyncIterator[str]:
+    """A completion stream: one event per token of whichever choice decoded it, the last of each choice with its
+    finish, the usage if asked, and [DONE]."""
+    offsets = [0] * len(decoding.choices)  # characters streamed per choice: each event's logprobs carry text_offset
 
-    def chunk(text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
-        logprobs = completion_logprobs(engine, [logprob], choice.sampling, offset[0]) if logprob else None
-        offset[0] += len(text)
+    def chunk(choice: Choice, text: str, finish: str | None, logprob: TokenLogprob | None = None) -> str:
+        logprobs = completion_logprobs(engine, [logprob], choice.sampling, offsets[choice.index]) if logprob else None
+        offsets[choice.index] += len(text)
         return sse({**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish}]})
 
-    async for item in stream_items(decoding):
+    completed = [0]
+    async for choice, item in stream_items(decoding, completed):
         if isinstance(item, str):
             yield item
         elif isinstance(item, Piece):  # one event per token, its text possibly held back
-            yield chunk(item.text, None, item.logprob)
+            yield chunk(choice, item.text, None, item.logprob)
         else:
-            yield chunk(item.text, item.reason)
-            completed[0] += item.completion_tokens
+            yield chunk(choice, item.text, item.reason)
+    if with_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens(decoding.choices), completed[0])})
+    yield sse("[DONE]")
 
 
 async def generate(request: Request) -> dict:
@@ -228,7 +209,7 @@ async def generate(request: Request) -> dict:
     messages = [{"role": "user", "content": body.prompt}]
     ids = await service.ids([body.prompt], lambda: engine.chat_ids(messages), "prompt")
     max_tokens = service.prepare(ids, body.max_tokens, "prompt")
-    out = await service.complete(request, ids, max_tokens, (), arrived)
+    (out,) = await service.complete(request, choices_of([(ids, max_tokens)], 1, None), (), arrived)
     steps = out.completion_tokens - 1
     return {"text": out.text, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
             "new_tokens": out.completion_tokens,
@@ -274,40 +255,21 @@ def completion_logprobs(engine: Engine, entries: list[TokenLogprob], sampling: S
 
 # -- streams --------------------------------------------------------------------------------------------------------
 
-async def one_after_another(service: Service, request: Request, choices: list[Choice], first: Decoding,
-                            stops: tuple[str, ...], stop_ids: tuple[int, ...], events,
-                            usage_event) -> AsyncIterator[str]:
-    """A stream of every choice's events, one choice after another (``first`` already started, so that a refusal
-    of the request keeps its HTTP status), then the usage (``usage_event``, None: not asked) and [DONE]."""
-    completed = [0]
-    decoding = first
-    for k, choice in enumerate(choices):
-        if k:
-            try:
-                decoding = await service.start(request, choice.ids, choice.max_tokens, stops, time.perf_counter(),
-                                               choice.sampling, stop_ids)
-            except Refused as exc:
-                yield sse({"error": {"message": exc.message, "type": "server_error", "param": exc.param,
-                                     "code": exc.code}})
-                break
-        async for event in events(decoding, choice, completed):
-            yield event
-    if usage_event is not None:
-        yield usage_event(usage(prompt_tokens(choices), completed[0]))
-    yield sse("[DONE]")
-
-
 def sse(payload) -> str:
     return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
 
 
-async def stream_items(decoding: Decoding) -> AsyncIterator[Piece | Finish | str]:
-    """The decode's items; an error once the stream has begun becomes one SSE event in OpenAI's error shape."""
+async def stream_items(decoding: Decoding, completed: list[int]) -> AsyncIterator[tuple[Choice, Piece | Finish | str]]:
+    """The decode's items with their choice (``completed[0]`` counts the tokens of the finished ones); an error once
+    the stream has begun becomes one SSE event in OpenAI's error shape, and ends it."""
     try:
-        async for item in decoding.items():
-            yield item
+        async for index, item in decoding.items():
+            if isinstance(item, Finish):
+                completed[0] += item.completion_tokens
+            yield decoding.choices[index], item
     except Refused as exc:
-        yield sse({"error": {"message": exc.message, "type": "server_error", "param": exc.param, "code": exc.code}})
+        yield decoding.choices[0], sse({"error": {"message": exc.message, "type": "server_error", "param": exc.param,
+                                                  "code": exc.code}})
 
 
 def streaming(events: AsyncIterator[str]) -> StreamingResponse:

@@ -1,14 +1,14 @@
 """What runs a decode: ``Service``, the server's state (loading, ready, failed, closing: SIGTERM refuses new and waiting
-requests with 503 while the running one finishes), one request decoding at a time in one worker thread (a client that
-disconnects stops it before its next token), greedy unless it samples (on the host: pipeline/serving/sampling.py), and a
-reply's ``n`` choices and prompts decoded one after another, each its own turn in the queue. Apart from routes.py: how
-a request is decoded, not the shape of its answer.
+requests with 503 while those holding cache lines finish), the decode loop in one thread of its own (the build's
+``batch_size`` sequences at once: pipeline/decoding/), each request's sequences (its ``n`` choices and prompts, all
+submitted at once, each in a line of its own as lines free), greedy unless it samples (on the host:
+pipeline/serving/sampling.py), and a client that disconnects giving up every sequence of its request before their next
+token. Apart from routes.py: how a request is decoded, not the shape of its answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +18,10 @@ from fastapi import Request
 
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
-from pipeline.serving.admission import Admission
-from pipeline.serving.engine import Engine, Finish, Piece, RanksFailed
+from pipeline.decoding.runner import RanksFailed
+from pipeline.decoding.sequence import Sequence
+from pipeline.serving.admission import Admission, Ticket
+from pipeline.serving.engine import Engine, Finish, Piece
 from pipeline.serving.metrics import Metrics
 from pipeline.serving.sampling import SEED_MAX, Sampler, SamplingParams, TokenLogprob
 from pipeline.serving.schemas import Refused
@@ -44,34 +46,48 @@ class Service:
                  max_request_bytes: int, body_timeout_s: float):
         self.engine = engine
         self.body_timeout_s = body_timeout_s
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine.lines)
+        engine.on_decode = self.metrics.occupancy.observe  # from the decode thread (Prometheus' metrics are safe)
         self.admission: Admission | None = None  # made by open()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.queue_size, self.queue_timeout_s = queue_size, queue_timeout_s
         self.max_request_bytes = max_request_bytes
         self.state = "loading"  # loading, ready, failed, closing
         self.problem = ""
+        # Loads the build, then runs its decode loop: one thread for both, since a backend's rank processes end with
+        # the thread that started them.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
         # Prompts are tokenized here, off the event loop (so /health answers meanwhile), one at a time (so that many
         # large prompts at once cost one prompt's memory, not many).
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def open(self) -> None:
-        """On the server's event loop, before the first request (asyncio's lock and event belong to one loop)."""
-        self.admission = Admission(self.queue_size, self.queue_timeout_s, self.metrics.queue_depth)
+        """On the server's event loop, before the first request (asyncio's events belong to one loop)."""
+        self.loop = asyncio.get_running_loop()
+        self.admission = Admission(self.queue_size, self.queue_timeout_s, self.engine.lines, self.metrics.queue_depth)
 
     def ready(self) -> None:
         if self.state == "loading":  # not if a shutdown began meanwhile
             self.state = "ready"
             log.info("serve: %s is ready", self.engine.version)
 
+    def decode_loop(self) -> None:
+        """The decode thread's work once the build is loaded, until shutdown; a failure of the ranks ends it and the
+        server stops taking requests."""
+        try:
+            self.engine.serve_forever()
+        except RanksFailed as exc:
+            self.loop.call_soon_threadsafe(self.failed, exc)
+
     def shutdown(self) -> None:
-        """After the server stopped: wait for the worker (the running request's last token), unload the build."""
+        """After the server stopped: end the decode loop (its sequences are done), unload the build."""
+        self.engine.stop()
         self.worker.shutdown(wait=True)
         self.tokenizing.shutdown(wait=True)
         self.engine.close()
 
     def close(self) -> None:
-        """Refuse new and waiting requests; the running one finishes."""
+        """Refuse new and waiting requests; those holding lines finish."""
         self.state = "closing" if self.state != "failed" else self.state
         if self.admission:
             self.admission.close()
@@ -109,106 +125,142 @@ class Service:
             raise Refused(400, problem, what if self.engine.room(len(ids)) < 1 else max_field)
         return max_tokens if max_tokens is not None else self.engine.room(len(ids))
 
-    async def start(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                    arrived: float, sampling: SamplingParams | None = None,
+    async def start(self, request: Request, choices: list[Choice], stops: tuple[str, ...], arrived: float,
                     stop_ids: tuple[int, ...] = ()) -> Decoding:
-        """Wait for the turn, then start decoding in the worker thread. The turn is released when the worker is
-        done, whether or not anyone reads its pieces (a client gone before its stream began included): the worker
-        stops at its next token once the client disconnects."""
-        await self.admission.enter()
-        loop = asyncio.get_running_loop()
-        decoding = Decoding(self, arrived)
-
-        def produce() -> None:
-            try:
-                sampler = Sampler(sampling, ids) if sampling is not None else None
-                for item in self.engine.decode(ids, max_tokens, stops, decoding.cancel, sampler, stop_ids):
-                    if isinstance(item, Piece):
-                        self.metrics.tokens.inc()  # what the build decoded, read by the client or not
-                    loop.call_soon_threadsafe(decoding.pieces.put_nowait, item)
-            except BaseException as exc:  # noqa: BLE001 - handed to the request, which answers 500
-                loop.call_soon_threadsafe(decoding.pieces.put_nowait, exc)
-
+        """Queue every choice of a request as a sequence of its own and return once the first has a cache line (a
+        refusal before then keeps its HTTP status: 429 queue full, 503 waited too long or closing). A client that
+        disconnects, before or after, gives up every sequence of its request before their next token."""
+        ticket = self.admission.enter()
+        decoding = Decoding(self, choices, arrived, ticket)
         try:
-            job = loop.run_in_executor(self.worker, produce)
-        except BaseException:
-            self.admission.leave()
+            self.engine.submit(*decoding.sequences(stops, stop_ids))
+        except RanksFailed as exc:
+            self.admission.leave(ticket)
+            raise Refused(503, f"the server is failed: {exc}", retry_after_s=5) from None
+        watcher = asyncio.ensure_future(watch_disconnect(request, decoding))
+        try:
+            await self.admission.wait(ticket)
+        except BaseException:  # refused, or cancelled while it waited (its client went away)
+            decoding.cancel()
+            watcher.cancel()
             raise
-
-        def done(_) -> None:
-            decoding.cancel.set()  # ends the disconnect watcher
-            self.admission.leave()
-
-        job.add_done_callback(done)
-        asyncio.ensure_future(watch_disconnect(request, decoding.cancel))
         return decoding
 
     def failed(self, exc: BaseException) -> None:
         """A decode raised ``exc``: the server stops taking requests when the ranks failed; any other error was the
-        request's own (logged with its traceback, for the operator) and the next request is served."""
+        request's own (logged with its traceback, for the operator) and the others go on."""
         if isinstance(exc, RanksFailed):
-            self.state, self.problem = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("serve: the build's ranks failed, the server stops taking requests: %s", self.problem)
+            if self.state != "failed":
+                self.state, self.problem = "failed", f"{type(exc).__name__}: {exc}"
+                log.error("serve: the build's ranks failed, the server stops taking requests: %s", self.problem)
         elif not isinstance(exc, InputError):
             log.error("serve: one request failed (the server goes on): %s: %s", type(exc).__name__, exc,
                       exc_info=exc)
 
-    async def complete(self, request: Request, ids: list[int], max_tokens: int, stops: tuple[str, ...],
-                       arrived: float, sampling: SamplingParams | None = None,
-                       stop_ids: tuple[int, ...] = ()) -> Outcome:
-        decoding = await self.start(request, ids, max_tokens, stops, arrived, sampling, stop_ids)
-        text, reason, count, ttft, decode_s, logprobs = [], "length", 0, None, 0.0, []
-        async for item in decoding.items():
+    async def complete(self, request: Request, choices: list[Choice], stops: tuple[str, ...], arrived: float,
+                       stop_ids: tuple[int, ...] = ()) -> list[Outcome]:
+        """Every choice decoded, in the choices' order."""
+        decoding = await self.start(request, choices, stops, arrived, stop_ids)
+        outs = [Outcome("", "length", len(c.ids), 0, None, 0.0) for c in choices]
+        async for index, item in decoding.items():
+            out = outs[index]
+            out.text += item.text
             if isinstance(item, Piece):
-                text.append(item.text)
                 if item.logprob is not None:
-                    logprobs.append(item.logprob)
-                if ttft is None:
-                    ttft = item.seconds
+                    out.logprobs.append(item.logprob)
+                if out.ttft_s is None:
+                    out.ttft_s = item.seconds
                 else:
-                    decode_s += item.seconds
+                    out.decode_s += item.seconds
             else:
-                text.append(item.text)
-                reason, count = item.reason, item.completion_tokens
-        return Outcome("".join(text), reason, len(ids), count, ttft, decode_s, logprobs)
+                out.finish_reason, out.completion_tokens = item.reason, item.completion_tokens
+        return outs
 
 
 class Decoding:
-    """One request's decode: the pieces the worker thread hands over, and the event that stops it."""
+    """One request's sequences (a choice each) and what they decode, as the engine's thread hands it over."""
 
-    def __init__(self, service: Service, arrived: float):
-        self.service, self.arrived = service, arrived
-        self.pieces: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
+    def __init__(self, service: Service, choices: list[Choice], arrived: float, ticket: Ticket):
+        self.service, self.choices, self.arrived, self.ticket = service, choices, arrived, ticket
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._sequences: list[Sequence] = []
+        self._started = False
+        self.cancelled = False
 
-    async def items(self) -> AsyncIterator[Piece | Finish]:
-        """The pieces as they come, then the ``Finish``. A failure of the worker is a 500 for this request; only the
-        ranks' failing (``RanksFailed``) fails the server for every request."""
-        metrics, first = self.service.metrics, True
+    def sequences(self, stops: tuple[str, ...], stop_ids: tuple[int, ...]) -> list[Sequence]:
+        """A sequence per choice, its text handed to this request's queue, fair among requests (``group``)."""
+        engine, loop = self.service.engine, self.service.loop
+        for choice in self.choices:
+            sampler = Sampler(choice.sampling, choice.ids) if choice.sampling is not None else None
+
+            def sink(item, index=choice.index):
+                if isinstance(item, Piece):
+                    self.service.metrics.tokens.inc()  # what the build decoded, read by the client or not
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+
+            self._sequences.append(engine.sequence(choice.ids, choice.max_tokens, stops, sink, sampler, stop_ids,
+                                                   group=self, on_start=self._on_start, on_end=self._on_end))
+        return self._sequences
+
+    def _on_start(self, _: Sequence) -> None:  # in the decode thread
+        self.service.loop.call_soon_threadsafe(self._line_taken)
+
+    def _on_end(self, seq: Sequence) -> None:  # in the decode thread
+        self.service.loop.call_soon_threadsafe(self._line_freed, seq)
+
+    def _line_taken(self) -> None:
+        admission = self.service.admission
+        admission.line_taken()
+        self.service.metrics.slots_in_use.set(admission.held)
+        if not self._started:
+            self._started = True
+            admission.started(self.ticket)
+
+    def _line_freed(self, seq: Sequence) -> None:
+        if seq.admitted is None:
+            return  # it never took a line
+        admission = self.service.admission
+        admission.line_freed()
+        self.service.metrics.slots_in_use.set(admission.held)
+
+    def cancel(self) -> None:
+        """Give up every sequence: each ends before its next call into the build (those waiting at once)."""
+        if not self.cancelled:
+            self.cancelled = True
+            for seq in self._sequences:
+                seq.cancel()
+            self.service.engine.wake()
+
+    async def items(self) -> AsyncIterator[tuple[int, Piece | Finish]]:
+        """``(choice index, item)`` as they come, each choice's pieces then its ``Finish``, until every choice is
+        done. A choice's failure is a 500 for the request (the other choices are given up); only the ranks' failing
+        (``RanksFailed``) fails the server for every request."""
+        metrics, first = self.service.metrics, set()
+        left = len(self.choices)
         try:
-            while True:
-                item = await self.pieces.get()
+            while left:
+                index, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     self.service.failed(item)
                     raise Refused(500, f"decoding failed: {type(item).__name__}: {item}")
                 if isinstance(item, Piece):
-                    if first:
+                    if index not in first:
                         metrics.ttft.observe(time.perf_counter() - self.arrived)
-                        first = False
+                        first.add(index)
                     else:
                         metrics.token_latency.observe(item.seconds)
-                yield item
-                if isinstance(item, Finish):
-                    return
+                else:
+                    left -= 1
+                yield index, item
         finally:
-            self.cancel.set()  # the answer is complete, or its reader went away: the worker stops
+            self.cancel()  # the answer is complete, or its reader went away: nothing more is decoded for it
 
 
-async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Set ``cancel`` when the client disconnects."""
-    while not cancel.is_set():
+async def watch_disconnect(request: Request, decoding: Decoding) -> None:
+    """Give up the request's sequences when its client disconnects."""
+    while not decoding.cancelled:
         if await request.is_disconnected():
-            cancel.set()
+            decoding.cancel()
             return
         await asyncio.sleep(0.05)
 
@@ -218,8 +270,9 @@ async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
 @dataclass(frozen=True)
 class Choice:
     """One choice of a reply: its index, its prompt's ids and token budget, its sampling. ``n`` choices and a list
-    of prompts are decoded one after another (the graphs are batch 1), choice ``prompt * n + j`` as OpenAI orders
-    them; with a seed, choice ``j`` samples with ``seed + j`` so that the choices differ and each is reproducible."""
+    of prompts are a sequence each, all queued at once and decoded side by side as cache lines free (fairly among
+    requests: pipeline/decoding/scheduler.py), choice ``prompt * n + j`` as OpenAI orders them; with a seed, choice
+    ``j`` samples with ``seed + j`` so that the choices differ and each is reproducible."""
 
     index: int
     ids: list[int]
@@ -236,15 +289,6 @@ def choices_of(prompts: list[tuple[list[int], int]], n: int, sampling: SamplingP
 
     return [Choice(p * n + j, ids, max_tokens, nth(j)) for p, (ids, max_tokens) in enumerate(prompts)
             for j in range(n)]
-
-
-async def complete_all(service: Service, request: Request, choices: list[Choice], stops: tuple[str, ...],
-                       arrived: float, stop_ids: tuple[int, ...]) -> list[Outcome]:
-    outs = []
-    for choice in choices:
-        outs.append(await service.complete(request, choice.ids, choice.max_tokens, stops, arrived, choice.sampling,
-                                           stop_ids))
-    return outs
 
 
 def prompt_tokens(choices: list[Choice]) -> int:
