@@ -270,3 +270,29 @@ def test_a_cancelled_sequence_gives_its_line_back_before_the_next_call():
     assert first.finish == Finish.cancelled and len(first.tokens) == 2
     assert second.finish == Finish.length and second.line is None
     assert [kind for kind, s in calls if s is first or (kind == "decode" and first in s)] == ["prefill", "decode"]
+
+
+# -- what a user of a published batched build sees ----------------------------------------------------------------
+
+def test_the_card_versions_and_metrics_show_the_batch_and_its_throughput(tiny_batched):
+    """The published card and ``versions`` show each version's batch and its tokens/s with every line in flight;
+    metrics.json holds 1 to batch_size sequences in flight; validation.json the prompts decoded together."""
+    import json
+
+    from .conftest import BATCHED, run_cli
+
+    root, _ = tiny_batched
+    variant = root / "gemma4_tiny" / BATCHED
+    metrics = json.loads((variant / "metrics.json").read_text())
+    assert sorted(metrics["concurrency"]) == ["1", "2", "3", "4"]
+    full = metrics["concurrency"]["4"]["aggregate_tokens_per_s"]
+    together = json.loads((variant / "validation.json").read_text())["batch_parity"]
+    assert together["passed"] and together["sequences"] == 5 and together["reused_mid_flight"] >= 1
+    assert all(v["identical"] for v in together["together"])
+    row = next(line for line in (root / "published" / "README.md").read_text().splitlines() if BATCHED in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[7] == "4" and cells[11] == f"{full:.1f}"  # batch, tok/s at full batch
+    listed = run_cli("versions", str(root / "published")).stdout.splitlines()
+    header, line = listed[0], next(x for x in listed if BATCHED in x)
+    assert "batch" in header and "tok/s, full batch" in header
+    assert line.split()[2] == "4" and f"{full:.1f}" in line.split()

@@ -326,11 +326,34 @@ def test_every_shipped_variant_of_e4b_fits_a_neuroncore_and_the_estimate_counts_
         need = neuron_memory.estimate(spec, shape)
         assert neuron_memory.fit_problem(spec, shape) is None, (variant, need.describe())
         assert need.programs == neuron_memory.PROGRAM_BYTES * (2 if shape.prefill == "device" else 1)
-    # The KV caches counted are the ones the recipe registers (built on the meta device: no memory).
-    shape = BuildShape(2048, 512, "bf16", "device", 2)
-    with torch.device("meta"):
-        decoder = RankDecoder(spec, ShardPlan(spec, 2), Parallel(2), shape.kv_max, shape.torch_dtype)
-    assert neuron_memory.kv_bytes(spec, shape) == sum(c.numel() * c.element_size() for c in decoder.caches())
+    # The KV caches counted are the ones the recipe registers (built on the meta device: no memory), at any batch.
+    for batch in (1, 4):
+        shape = BuildShape(2048, 512, "bf16", "device", 2, batch_size=batch)
+        with torch.device("meta"):
+            decoder = RankDecoder(spec, ShardPlan(spec, 2), Parallel(2), shape.kv_max, shape.torch_dtype, batch)
+        assert neuron_memory.kv_bytes(spec, shape) == sum(c.numel() * c.element_size() for c in decoder.caches())
+
+
+def test_a_batch_of_e4b_that_cannot_fit_is_refused_naming_the_largest_that_does():
+    """The caches, and the one-hot writes over every line, grow with the batch: 8192 positions of device prefill fit
+    some sequences, not 64; the refusal names the most that fit, which does fit, and one more does not."""
+    from dataclasses import replace
+
+    from pipeline.backends import neuron_memory
+    from pipeline.recipe.spec import spec_from_config
+
+    from .test_spec_and_plan import E4B_CONFIG
+
+    spec = spec_from_config(E4B_CONFIG)
+    shape = BuildShape(8192, 2048, "bf16", "device", 2, batch_size=64)
+    fits = neuron_memory.largest_batch(spec, shape)
+    assert 1 < fits < 64
+    problem = neuron_memory.fit_problem(spec, shape)
+    assert f"variant.batch_size={fits} (the most sequences that fit" in problem and "batch_size 64" in problem
+    assert neuron_memory.fit_problem(spec, replace(shape, batch_size=fits)) is None
+    assert neuron_memory.fit_problem(spec, replace(shape, batch_size=fits + 1)) is not None
+    one, many = (neuron_memory.estimate(spec, replace(shape, batch_size=b)) for b in (1, fits))
+    assert many.kv == fits * one.kv and many.scratch > one.scratch and many.weights == one.weights
 
 
 @pytest.mark.parametrize("shape, knobs", [

@@ -351,3 +351,30 @@ def test_build_and_validation_records_hold_the_estimate_and_the_measured_peaks(v
     assert validated["estimate"] == built["estimate"]
     peaks = validated["measured"]["validation_peak_rss_mb"]
     assert 0 < peaks["host"] + 2 * peaks["ranks"] <= figures["validate_gb"] * 1024  # the worker and its two ranks
+
+
+def test_a_batchs_caches_grow_the_trace_and_load_needs_and_the_measured_peaks_stay_under_them(tiny_batched, tiny_dir):
+    """The lines beyond the first are counted (``batch_kv``: a batch-1 build's caches are in the measured factors):
+    the trace's and the validation's needs grow with them on the cpu backend, the disk's with the rank files holding
+    them; a batch-1 shape counts none. The batched build's measured peaks stay under its estimate."""
+    from .conftest import BATCHED
+
+    spec = load_spec(tiny_dir)
+    one = estimate(spec, BuildShape(2048, 512, "fp32", "device", 2), registry.backend_entry("cpu"), None)
+    four = estimate(spec, BuildShape(2048, 512, "fp32", "device", 2, batch_size=4), registry.backend_entry("cpu"), None)
+    kv = ShardPlan(spec, 2).rank_kv_bytes(2048, 3, torch.float32)
+    assert one.weights.batch_kv == 0 and four.weights.batch_kv == kv > 0
+    grown = {key: getattr(four.resources, key) - getattr(one.resources, key) for key in ("trace_per_graph_gb",
+                                                                                           "validate_gb", "disk_gb")}
+    factors = registry.CPU_FACTORS
+    assert grown == pytest.approx({"trace_per_graph_gb": factors.graph_per_kv_byte * kv / GIB,
+                                   "validate_gb": factors.validate_per_kv_byte * 2 * kv / GIB,
+                                   "disk_gb": factors.disk_per_byte * 2 * kv / GIB})
+    root, _ = tiny_batched
+    variant = root / "gemma4_tiny" / BATCHED
+    built = json.loads((variant / "build.json").read_text())["preflight"]
+    assert built["estimate"]["weights_bytes"]["batch_kv"] == ShardPlan(spec, 2).rank_kv_bytes(512, 3, torch.float32)
+    figures = built["estimate"]["resources_gb"]
+    assert 0 < built["measured"]["graph_peak_rss_bytes"] <= figures["trace_per_graph_gb"] * GIB
+    peaks = json.loads((variant / "validation.json").read_text())["preflight"]["measured"]["validation_peak_rss_mb"]
+    assert 0 < peaks["host"] + 2 * peaks["ranks"] <= figures["validate_gb"] * 1024

@@ -32,9 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 # -- the regression gate ---------------------------------------------------------------------------------------------
 
 def summary(tokens_per_s: float, ttft_ms: float, matched: int = 2, tf: float | None = 0.97,
-            hardware: str = "inf2_8xlarge", backend: str = "neuron") -> ValidationSummary:
+            hardware: str = "inf2_8xlarge", backend: str = "neuron",
+            aggregate: float | None = None) -> ValidationSummary:
     latency = {f"latency_ms_{k}": 1000 / tokens_per_s for k in ("p50", "p90", "p95", "p99", "p100", "avg")}
-    return ValidationSummary.from_json({
+    # k sequences in flight, the full batch's four at ``aggregate`` tokens/s
+    concurrency = {} if aggregate is None else {str(k): {
+        "sequences": k, "context_tokens": 16, "aggregate_tokens_per_s": aggregate * k / 4, "tokens_per_s": 30.0,
+        "ms_per_token": 33.3, "itl_ms_p50": 33.0, "itl_ms_p99": 40.0, "ttft_ms": 150.0, "ttft_ms_max": 300.0}
+        for k in range(1, 5)}
+    return ValidationSummary.from_json({**({"concurrency": concurrency} if concurrency else {}),
         "parity": {"mode": "logits", "passed": True, "prompts": 2, "prompts_matched": matched,
                    "teacher_forced_match": tf, "max_abs_dlogit": 0.5},
         "throughput": {**latency, "tokens_per_s": tokens_per_s, "ms_per_token": 1000 / tokens_per_s,
@@ -59,6 +65,19 @@ def test_regression_rows_and_verdicts():
     assert "different backends or hardware" in regression.table(other)
     cpu = summary(3.0, 900.0, backend="cpu")
     assert regression.compare(summary(36.0, 120.0, backend="cpu"), cpu, tol).comparable_throughput is False
+
+
+def test_a_batched_builds_full_batch_throughput_is_gated_too():
+    """With its four lines in flight, every sequence's tokens/s together may fall by as much as one sequence's
+    may; a summary from before batching (no figures in flight) is compared on the rest."""
+    tol = RegressionConfig()
+    ok = regression.compare(summary(36.0, 120.0, aggregate=120.0), summary(36.0, 120.0, aggregate=115.0), tol)
+    assert ok.passed and ok.checks[-1].check == "tokens/s, 4 in flight"
+    worse = regression.compare(summary(36.0, 120.0, aggregate=120.0), summary(36.0, 120.0, aggregate=100.0), tol)
+    row = worse.checks[-1]
+    assert not worse.passed and not row.passed and row.limit == ">= 108.0" and row.change == -0.1667
+    before = regression.compare(summary(36.0, 120.0), summary(36.0, 120.0, aggregate=100.0), tol)
+    assert before.passed and "in flight" not in " ".join(r.check for r in before.checks)
 
 
 def test_the_gate_refuses_or_records_an_allowed_regression():

@@ -11,10 +11,14 @@ Neuron core has 16GB of memory", at v2.28.0). Of one rank's share this counts:
   trace/model_builder.py ~889-896). Separate graphs each embedding their weights are what the seed recipe found does
   not fit E4B ("~15.4 GB of fp32 model constants, and a second neff on the same core tips it past the 16 GB
   NeuronCore budget"): the recipe never builds those.
-- ``kv``: the rank's KV caches (a producer layer's keys and values, its KV heads over the ranks, ``kv_max`` positions).
+- ``kv``: the rank's KV caches (a producer layer's keys and values, its KV heads over the ranks, ``kv_max`` positions,
+  ``batch_size`` sequences: NxDI's ``batch x layers x positions x kv width x 2 x dtype``,
+  about-neuron/transformers/generative-llm-inference-with-neuron.rst).
 - ``scratch``: the largest graph's live activations (the runtime sizes one shared scratchpad to the largest of the
   graphs loaded on a core: neuron-runtime/explore/device-memory.rst): one decoder layer at a time, bounded from above
-  (every intermediate of the layer at once, fp32, the one-hot cache write's full-size temporaries included), twice.
+  (every intermediate of the layer at once, fp32, the one-hot cache write's full-size temporaries of every cache line
+  included), twice. A decode step runs ``batch_size`` rows; a prefill runs one sequence's bucket, but its write and
+  its line's view touch every line.
 - ``programs``: each graph's instructions and DMA descriptors, ``PROGRAM_BYTES`` each (not published; a guess that
   hardware must confirm), and ``RUNTIME_RESERVE`` for the runtime's micro-code (96 MB per core, device-memory.rst),
   collectives buffers and a scratchpad page's rounding (512 MB pages).
@@ -64,30 +68,32 @@ class DeviceMemory:
 
 
 def kv_bytes(spec: ModelSpec, shape: BuildShape) -> int:
-    """The rank's caches, as pipeline/recipe/model.py ``RankDecoder`` registers them: a key and a value tensor per
-    producer layer, ``[1, kv_heads / tp_degree, kv_max, head_dim]`` at the variant's dtype."""
-    item = shape.torch_dtype.itemsize
-    return sum(2 * (layer.num_kv_heads // shape.tp_degree) * shape.kv_max * layer.head_dim * item
-               for layer in spec.producers)
+    """The rank's caches (``ShardPlan.rank_kv_bytes``: every line, at the variant's dtype)."""
+    from pipeline.recipe.plan import ShardPlan
+
+    return ShardPlan(spec, shape.tp_degree).rank_kv_bytes(shape.kv_max, shape.batch_size, shape.torch_dtype)
 
 
-def layer_activations(spec: ModelSpec, shape: BuildShape, tokens: int) -> int:
-    """An upper bound of one decoder layer's live intermediates for a call of ``tokens`` tokens, on one rank (fp32:
-    the residual stream, norms and softmax are fp32 in the recipe; the matmuls' outputs counted at fp32 too)."""
+def layer_activations(spec: ModelSpec, shape: BuildShape, tokens: int, rows: int = 1) -> int:
+    """An upper bound of one decoder layer's live intermediates for a call of ``tokens`` tokens of ``rows``
+    sequences, on one rank (fp32: the residual stream, norms and softmax are fp32 in the recipe; the matmuls' outputs
+    counted at fp32 too)."""
     tp, h, heads = shape.tp_degree, spec.hidden_size, spec.num_heads // shape.tp_degree
-    item = shape.torch_dtype.itemsize
+    item, lines, n = shape.torch_dtype.itemsize, shape.batch_size, rows * tokens
     worst = 0
     for layer in spec.layers:
         kv_heads, d = layer.num_kv_heads // tp, layer.head_dim
-        residual = 6 * tokens * h * FP32  # the stream, its norms, the attention and MLP outputs, the sum
-        attention = (tokens * heads * d * FP32 * 3  # q, rotated q, the attention's output
-                     + 2 * heads * tokens * shape.kv_max * FP32  # scores and probabilities over every slot
-                     + 2 * tokens * kv_heads * d * FP32)  # this call's keys and values
-        cache_write = 6 * kv_heads * shape.kv_max * d * item  # buf * (1 - onehot) + k * onehot, keys and values
-        mlp = 3 * tokens * (layer.intermediate_size // tp) * FP32  # gate, up, their product
-        per_layer = tokens * spec.num_layers * max(spec.ple_dim, 1) * FP32
+        residual = 6 * n * h * FP32  # the stream, its norms, the attention and MLP outputs, the sum
+        attention = (n * heads * d * FP32 * 3  # q, rotated q, the attention's output
+                     + 2 * heads * n * shape.kv_max * FP32  # scores and probabilities over every slot
+                     + 2 * n * kv_heads * d * FP32)  # this call's keys and values
+        # buf * (1 - onehot) + k * onehot over every line, keys and values; a batch's prefill also views its line
+        temporaries = 6 + (2 if shape.batched and rows == 1 else 0)
+        cache_write = temporaries * lines * kv_heads * shape.kv_max * d * item
+        mlp = 3 * n * (layer.intermediate_size // tp) * FP32  # gate, up, their product
+        per_layer = n * spec.num_layers * max(spec.ple_dim, 1) * FP32
         worst = max(worst, residual + attention + cache_write + mlp + per_layer)
-    logits = spec.vocab_size * FP32 * 2  # the selected position's logits, before and after the softcap
+    logits = rows * spec.vocab_size * FP32 * 2  # each row's selected position's logits, before and after the softcap
     return worst + logits
 
 
@@ -96,11 +102,20 @@ def estimate(spec: ModelSpec, shape: BuildShape) -> DeviceMemory:
     decode graph of host prefill)."""
     from pipeline.recipe.plan import ShardPlan
 
-    calls = [1] + ([shape.bucket] if shape.prefill == "device" else [])
+    calls = [(1, shape.batch_size)] + ([(shape.bucket, 1)] if shape.prefill == "device" else [])
     return DeviceMemory(weights=ShardPlan(spec, shape.tp_degree).rank_bytes(shape.torch_dtype),
                         kv=kv_bytes(spec, shape),
-                        scratch=2 * max(layer_activations(spec, shape, tokens) for tokens in calls),
+                        scratch=2 * max(layer_activations(spec, shape, tokens, rows) for tokens, rows in calls),
                         programs=PROGRAM_BYTES * len(calls), reserve=RUNTIME_RESERVE)
+
+
+def largest_batch(spec: ModelSpec, shape: BuildShape) -> int:
+    """The most sequences ``shape`` could decode at once and still fit one NeuronCore-v2 per rank (0: not even one)."""
+    from dataclasses import replace
+
+    fits = [b for b in range(1, max(shape.batch_size, 1) + 1)
+            if estimate(spec, replace(shape.shape, batch_size=b)).total <= NEURONCORE_V2_HBM]
+    return max(fits, default=0)
 
 
 def fit_problem(spec: ModelSpec, shape: BuildShape) -> str | None:
@@ -109,6 +124,10 @@ def fit_problem(spec: ModelSpec, shape: BuildShape) -> str | None:
     if need.total <= NEURONCORE_V2_HBM:
         return None
     knobs = []
+    if shape.batched:
+        fits = largest_batch(spec, shape)
+        knobs.append(f"variant.batch_size={fits} (the most sequences that fit; the caches grow with each)" if fits
+                     else f"a smaller variant.batch_size than {shape.batch_size} (even one sequence does not fit)")
     if need.weights > NEURONCORE_V2_HBM / 2:
         if shape.dtype == "fp32":
             knobs.append("variant.dtype=bf16 (halves the weights)")
@@ -117,7 +136,8 @@ def fit_problem(spec: ModelSpec, shape: BuildShape) -> str | None:
         knobs.append(f"a smaller variant.kv_max than {shape.kv_max} (the caches and attention grow with it)")
         if shape.prefill == "device":
             knobs.append(f"a smaller variant.bucket than {shape.bucket} (a prefill call's activations grow with it)")
-    return (f"{shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill at tp_degree {shape.tp_degree} "
-            f"needs about {need.describe()} per NeuronCore, more than a NeuronCore-v2's "
+    batch = f", batch_size {shape.batch_size}" if shape.batched else ""
+    return (f"{shape.kv_max}/{shape.bucket} {shape.dtype} {shape.prefill}-prefill at tp_degree {shape.tp_degree}{batch}"
+            f" needs about {need.describe()} per NeuronCore, more than a NeuronCore-v2's "
             f"{NEURONCORE_V2_HBM / GIB:.0f} GiB of device memory (pipeline/backends/neuron_memory.py): choose "
             + (" or ".join(knobs) if knobs else "a smaller variant") + ". Nothing was compiled")

@@ -56,12 +56,20 @@ CPU_FACTORS = Factors(
     # the tracer keeps every intermediate of the traced prefill alive until it ends: E4B's device-prefill rank peaked
     # 0.42 GiB above its host-prefill twin (5.96 against 5.54 GiB at bucket 128), 7.5e-4 of its weights per token
     graph_per_prefill_token=8e-4,
+    # the rank's caches, and the tracer keeping the one-hot writes' temporaries over every line alive: the tiny model
+    # at 4096 positions, fp32, traced at batch 1, 8 and 32 (caches of 6.0, 48 and 192 MiB a rank) peaked 0.37, 0.55
+    # and 1.12 GiB, 4.2-4.6 bytes per byte of the caches added
+    graph_per_kv_byte=5.0,
     # the validate stage's process (0.32-0.63 GiB) and the validation process (0.31-0.64 GiB; the most under torch
     # 2.8, and at E4B's 262,144-token tokenizer)
     validate_fixed_gb=1.3,
     load_rank_gb=0.75,  # a rank's load process, beyond its weights: 0.27-0.30 GiB with the tiny model, 0.52 GiB under
     # torch 2.8, 0.65 GiB at E4B's size (5.05 GiB for 4.40 GiB of weights)
     validate_per_byte=1.0,  # torch.jit.load holds each rank's weights once
+    # a rank's load process holds its caches (the rank file's zeros, loaded) and a decode step's temporaries over
+    # every line (the write, the expanded keys and values): the same builds decoding full batches peaked 0.30, 0.48
+    # and 1.27 GiB per rank process, 4.4-5.3 bytes per byte of the caches added
+    validate_per_kv_byte=6.0,
     host_prefill_per_byte=1.05,  # HostPrefill holds the decoder once, at the variant's dtype (pipeline/recipe/host.py)
     disk_fixed_gb=0.1,  # records and logs
     # the rank files 1.00x, the archive 0.78x (zstd of random bf16 weights; trained ones compress alike) and the
@@ -84,11 +92,16 @@ NEURON_FACTORS = Factors(
     graph_per_byte=(80 - CPU_FACTORS.graph_fixed_gb) / E4B_BF16_RANK_GB,
     graph_largest_copies=0.0,  # in the seed's figure
     graph_per_prefill_token=0.0,
+    graph_per_kv_byte=CPU_FACTORS.graph_per_kv_byte,  # the module is traced on the host as the cpu backend's is
+    # (UNVERIFIED: the compile's own use of a batch's caches has not been measured)
     # Loading a build on an inf2.xlarge peaks at ~14.5 GB (so 16 GiB RAM + a 16 GiB swap file): 15 GiB. The ranks
     # are threads of the validation process: no process per rank.
     validate_fixed_gb=CPU_FACTORS.validate_fixed_gb,
     load_rank_gb=0.0,
     validate_per_byte=(15 - CPU_FACTORS.validate_fixed_gb) / E4B_BF16_RANKS_GB,
+    # the caches live on the NeuronCores; the host holds one rank's copy while seeding a host prefill's line
+    # (pipeline/backends/neuron.py write_states: a state read back whole, changed in one line, written whole)
+    validate_per_kv_byte=1.0,
     host_prefill_per_byte=CPU_FACTORS.host_prefill_per_byte,
     # 120 GiB for E4B as its conf declared it (compiler work files, rank files, archive; not measured by the seed).
     disk_fixed_gb=CPU_FACTORS.disk_fixed_gb,

@@ -1,9 +1,10 @@
 """``python -m pipeline versions SOURCE``: what a repository publishes, and which of it fits this host.
 
 SOURCE is what ``pull`` takes (a local publish folder or a Hugging Face repo id). One row per published version:
-variant, compiler, decode tokens/s, time to first token, whether it is signed, when it was published, and whether it
-fits this host (pipeline/backends/compatibility.py: compatible, a warning, or refused, with the reason). It reads the
-repository's index, ``versions.json`` (one small download; pipeline/publishing/index.py), and the tags, which
+variant, its batch (sequences decoded at once), compiler, decode tokens/s of one sequence and of a full batch, time to
+first token, whether it is signed, when it was published, and whether it fits this host
+(pipeline/backends/compatibility.py: compatible, a warning, or refused, with the reason). It reads the repository's
+index, ``versions.json`` (one small download; pipeline/publishing/index.py), and the tags, which
 decide: a version the index lacks is read from its own manifest. ``--variant`` keeps one variant's versions,
 ``--fits-this-host`` those this host can run, ``--json`` prints the rows for scripts (every field of the index, the
 commit and the verdict).
@@ -29,11 +30,13 @@ from pipeline.core.records import encode
 from pipeline.publishing import index, trust
 from pipeline.publishing.card import cell
 
-COLUMNS = ("version", "variant", "compiler", "tok/s", "first token ms", "signed", "published", "fits this host")
+COLUMNS = ("version", "variant", "batch", "compiler", "tok/s", "tok/s, full batch", "first token ms", "signed",
+           "published", "fits this host")
 
 
 def table(rows: list[tuple[index.Published, compatibility.Verdict]]) -> str:
-    lines = [[p.row.version, p.row.variant.name, p.row.compiler, cell(p.row.metrics.tokens_per_s, "{:.1f}"),
+    lines = [[p.row.version, p.row.variant.name, p.row.variant.batch_size, p.row.compiler,
+              cell(p.row.metrics.tokens_per_s, "{:.1f}"), cell(p.row.metrics.aggregate_tokens_per_s, "{:.1f}"),
               cell(p.row.metrics.ttft_ms, "{:.0f}"), "yes" if p.row.signed else "no",
               cell(p.row.published), verdict.fit.value] for p, verdict in rows]
     lines = [[escaped(str(x)) for x in line] for line in lines]  # an unsigned index's strings reach the terminal

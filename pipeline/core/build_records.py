@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.core.records import Record, encode
+from pipeline.core.records import Record, added, encode
 from pipeline.core.shape import BuildShape
 
 
@@ -203,6 +203,10 @@ class WeightBytes:
     host_float: int
     """The same decoder in fp32: what the float reference holds (pipeline/stages/reference.py; the per-layer table
     stays mapped in its file, and a tied head is the token table)."""
+    batch_kv: int = added(default=0)
+    """One rank's KV caches of the lines beyond the first (``batch_size - 1`` sequences, ``ShardPlan.rank_kv_bytes``):
+    what a batched build's trace and load hold beyond a batch-1 build's, whose caches the measured factors include
+    (0 at batch 1, and in a record from before batching)."""
 
     @property
     def ranks(self) -> int:

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     import torch
 
 MAX_BATCH_SIZE = 64
-"""The most sequences a build may decode at once: far above what fits a NeuronCore at any useful context (E4B's KV
-caches at 2048 positions allow about 20), and a bound on what a typo can ask the trace for."""
+"""The most sequences a build may decode at once: a bound on what a typo can ask the trace for. What fits a NeuronCore
+is the trace's own refusal (pipeline/backends/neuron_memory.py): E4B's caches are small (one KV head per rank), so its
+2048-position variants fit all 64 and its 8192-position device-prefill one about 22."""
 
 
 class Dtype(StrEnum):

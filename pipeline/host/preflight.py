@@ -296,7 +296,8 @@ def weight_bytes(spec: ModelSpec, shape: BuildShape) -> WeightBytes:
     plan = ShardPlan(spec, shape.tp_degree)
     return WeightBytes(plan.rank_bytes(shape.torch_dtype), shape.tp_degree,
                        plan.largest_tensor_bytes(shape.torch_dtype),
-                       decoder_bytes(spec, shape.torch_dtype), decoder_bytes(spec, torch.float32))
+                       decoder_bytes(spec, shape.torch_dtype), decoder_bytes(spec, torch.float32),
+                       plan.rank_kv_bytes(shape.kv_max, shape.batch_size - 1, shape.torch_dtype))
 
 
 def decoder_bytes(spec: ModelSpec, dtype) -> int:
@@ -322,12 +323,17 @@ class Factors:
     """... plus this many copies of its largest tensor (the cpu backend's rewrite of the rank file)."""
     graph_per_prefill_token: float
     """... plus this many bytes per byte of its weights for each token of a traced prefill bucket."""
+    graph_per_kv_byte: float
+    """... plus this many bytes per byte of its KV caches beyond a batch-1 build's (``WeightBytes.batch_kv``)."""
     validate_fixed_gb: float
     """The stage and validation processes, whatever the model."""
     load_rank_gb: float
     """Each rank loaded for validation, whatever the model (a process of its own on cpu; threads on neuron)."""
     validate_per_byte: float
     """... plus this many bytes per byte of all ranks' weights."""
+    validate_per_kv_byte: float
+    """... plus this many bytes per byte of all ranks' KV caches beyond a batch-1 build's: the caches and a decode
+    step's temporaries over them, where the ranks run on the host."""
     host_prefill_per_byte: float
     """The host's prefill model of a host-prefill variant, per byte of its weights (at the variant's dtype)."""
     disk_fixed_gb: float
@@ -350,13 +356,15 @@ def derive(weights: WeightBytes, f: Factors, prefill_tokens: int = 0) -> Resourc
     """Every figure of ``ResourceNeed`` from the weights' bytes and a backend's factors (``prefill_tokens``: the
     bucket of a traced prefill graph, 0 for host prefill)."""
     rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_prefill / GIB
+    kv = weights.batch_kv / GIB
     return ResourceNeed(
         trace_base_gb=f.trace_fixed_gb + f.trace_base_per_byte * ranks,
         trace_per_graph_gb=(f.graph_fixed_gb + f.graph_per_byte * rank + f.graph_largest_copies * weights.largest / GIB
-                            + f.graph_per_prefill_token * prefill_tokens * rank),
-        validate_gb=f.validate_fixed_gb + weights.tp_degree * f.load_rank_gb + f.validate_per_byte * ranks,
+                            + f.graph_per_prefill_token * prefill_tokens * rank + f.graph_per_kv_byte * kv),
+        validate_gb=(f.validate_fixed_gb + weights.tp_degree * f.load_rank_gb + f.validate_per_byte * ranks
+                     + f.validate_per_kv_byte * weights.tp_degree * kv),
         host_prefill_gb=f.host_prefill_per_byte * host,
-        disk_gb=f.disk_fixed_gb + f.disk_per_byte * ranks,
+        disk_gb=f.disk_fixed_gb + f.disk_per_byte * (ranks + weights.tp_degree * kv),  # rank files hold the caches
     )
 
 

@@ -17,8 +17,8 @@ def cell(value: Any, fmt: str = "{}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
-HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | files | backend / compiler | tok/s | first token ms "
-          "| parity | signed |\n" + "|---" * 12 + "|")
+HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | batch | files | backend / compiler | tok/s "
+          "| tok/s, full batch | first token ms | parity | signed |\n" + "|---" * 14 + "|")
 
 
 def _files(m: Manifest) -> str:
@@ -29,9 +29,10 @@ def _row(m: Manifest) -> str:
     v, figures = m.variant, Headline.of(m)
     parity = figures.parity
     parity_text = "–" if parity.passed is None else f"{'pass' if parity.passed else 'FAIL'} ({parity.mode})"
-    return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} "
+    return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} | {v.batch_size} "
             f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {cell(figures.tokens_per_s, '{:.1f}')} "
-            f"| {cell(figures.ttft_ms, '{:.0f}')} | {parity_text} | {'yes' if m.signature else 'no'} |")
+            f"| {cell(figures.aggregate_tokens_per_s, '{:.1f}')} | {cell(figures.ttft_ms, '{:.0f}')} | {parity_text} "
+            f"| {'yes' if m.signature else 'no'} |")
 
 
 def usage(example: Manifest | None, source: str) -> str:
@@ -74,8 +75,10 @@ def model_card(base: str, manifests: list[Manifest], usage_block: str) -> str:
 {HEADER}
 {rows}
 
-Throughput is measured on the hardware named in each `manifest.json` (`validation.hardware`); tok/s is decode speed
-at the slowest context length, and cpu-backend rows come from the reference backend, not from Inferentia2.
+Throughput is measured on the hardware named in each `manifest.json` (`validation.hardware`); tok/s is one
+sequence's decode speed at the slowest context length, tok/s at full batch every sequence's together with `batch`
+of them in flight (a version decodes `batch` sequences at once: a server batches requests continuously into them),
+and cpu-backend rows come from the reference backend, not from Inferentia2.
 
 ## Use a version
 
@@ -116,7 +119,7 @@ tags:
 # {base} for AWS Inferentia2 (tensor parallel)
 
 Compiled artifacts of [`{base}`](https://huggingface.co/{base}) for Inferentia2, built, validated and published by
-the gemma4-neuron-pipeline. Every version is one variant (KV cache length, prefill bucket, dtype, prefill mode)
+the gemma4-neuron-pipeline. Every version is one variant (KV cache length, prefill bucket, dtype, prefill mode, batch)
 built with one compiler from one set of inputs, tagged `<variant>-<compiler>-<inputs>`: the last part is a digest of
 everything that decides the files' bytes (checkpoint, recipe code, compiler and its arguments), so a rebuild from other
 inputs is a new version and a published version never changes. Each version folder holds the archive of its compiled

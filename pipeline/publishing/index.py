@@ -51,12 +51,15 @@ class ParityHeadline:
 @dataclass(frozen=True)
 class Headline:
     """A version's headline figures (decode tokens/s, ms per token and time to first token, of the first context
-    validated) and its parity verdict, as its manifest's validation summary gives them: null where it gives none."""
+    validated; every sequence's tokens/s together with the batch's lines all in flight) and its parity verdict, as its
+    manifest's validation summary gives them: null where it gives none."""
 
     tokens_per_s: float | None
     ms_per_token: float | None
     ttft_ms: float | None
     parity: ParityHeadline
+    aggregate_tokens_per_s: float | None = None
+    """With ``batch_size`` sequences in flight, all of them together (left out for a version from before batching)."""
 
     @classmethod
     def of(cls, manifest: Manifest) -> Headline:
@@ -64,8 +67,11 @@ class Headline:
         pipeline/artifact/manifest.py), a figure it lacks left null."""
         summary = manifest.validation or {}
         throughput, parity = summary.get("throughput") or {}, summary.get("parity") or {}
+        concurrency = summary.get("concurrency") or {}
+        full = concurrency.get(max(concurrency, key=int)) if concurrency else None
         return cls(throughput.get("tokens_per_s"), throughput.get("ms_per_token"), throughput.get("ttft_ms"),
-                   ParityHeadline(parity.get("passed"), parity.get("mode")))
+                   ParityHeadline(parity.get("passed"), parity.get("mode")),
+                   full.get("aggregate_tokens_per_s") if isinstance(full, dict) else None)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ before it (what the target's head holds in ``<variant>/manifest.json``: the last
 
 Compared, from the validation summaries both manifests carry: parity must still pass on at least as many prompts,
 and its teacher-forced match may fall by at most ``teacher_forced_drop``; decode tokens/s (the slowest context) may
-fall by at most ``tokens_per_s_drop`` and time to first token rise by at most ``ttft_ms_rise`` (fractions of the
+fall by at most ``tokens_per_s_drop``, as may every sequence's tokens/s together with the batch's lines all in flight
+(where both summaries measured it), and time to first token rise by at most ``ttft_ms_rise`` (fractions of the
 previous figures). Throughput is compared only between builds measured on the same backend and hardware, and only for
 the backends in ``throughput_backends`` (by default those whose entry says their timings compare, neuron: the cpu
 backend's timings swing with the machine's load); other pairs are recorded as not comparable. The outcome, every
@@ -70,6 +71,11 @@ def compare(previous: ValidationSummary, current: ValidationSummary, tolerances)
         prev_ttft, cur_ttft = previous.throughput.ttft_ms, current.throughput.ttft_ms
         most = round(prev_ttft * (1 + tolerances.ttft_ms_rise), 3)
         rows.append(_row("time to first token ms", prev_ttft, cur_ttft, f"<= {most}", cur_ttft <= most))
+        before, now = previous.full_batch, current.full_batch
+        if before is not None and now is not None and before.sequences == now.sequences:
+            least = round(before.aggregate_tokens_per_s * (1 - tolerances.tokens_per_s_drop), 3)
+            rows.append(_row(f"tokens/s, {now.sequences} in flight", before.aggregate_tokens_per_s,
+                             now.aggregate_tokens_per_s, f">= {least}", now.aggregate_tokens_per_s >= least))
     return Comparison(tuple(rows), comparable)
 
 

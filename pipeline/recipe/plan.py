@@ -95,6 +95,12 @@ class ShardPlan:
         return max(math.prod(self.rank_shape(name)) * tensor_dtype(name, dtype).itemsize
                    for name in self.rank_tensor_names())
 
+    def rank_kv_bytes(self, kv_max: int, batch_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one rank's KV caches, as pipeline/recipe/model.py ``RankDecoder`` registers them: a key and a value
+        tensor per producer layer, ``[batch_size, kv_heads / tp_degree, kv_max, head_dim]`` at ``dtype``."""
+        return sum(2 * batch_size * (layer.num_kv_heads // self.tp_degree) * kv_max * layer.head_dim * dtype.itemsize
+                   for layer in self.spec.producers)
+
     def rank_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of rank ``rank``'s part of ``name``, or None when replicated."""
         dim = self.split(name)
