@@ -83,6 +83,11 @@ class Paths:
         return self.model_dir / "plots" / f"{self.variant}.json"
 
     @property
+    def concurrency_rows(self) -> Path:
+        """Per variant, a row per count of sequences in flight: its own chart (x: sequences), beside the others'."""
+        return self.model_dir / "plots" / "concurrency" / f"{self.variant}.json"
+
+    @property
     def receipt(self) -> Path:
         return self.variant_dir / "publish.json"
 

@@ -74,6 +74,7 @@ def as_sweep_stage(stage: dict) -> dict:
     knobs = " ".join(f"variant.{k}=${{sweep.{k}}}" for k in ("kv_max", "bucket", "dtype", "prefill", "batch_size"))
     text = json.dumps(stage["do"]).replace("${model}/${item}/", "${model}/sweep-${item}/").replace(
         "plots/${item}.json", "plots/sweep-${item}.json").replace(
+        "plots/concurrency/${item}.json", "plots/concurrency/sweep-${item}.json").replace(
         "+variant=${item} ", f"+variant=${{item}} {knobs} variant_folder=sweep-${{item}} ")
     return {"foreach": "${sweep.base}", "do": json.loads(text)}
 
@@ -217,6 +218,10 @@ def test_metrics_diff_and_plots_read_cleanly(repo):
         kv_max = int(variant.split("_")[0])
         lengths = sorted(row["context_tokens"] for row in spec["data"]["values"])
         assert lengths == [16, kv_max // 2, kv_max - 16 - 1]  # short, half, near kv_max
+        spec = plots["data"][f"artifacts/gemma4_tiny/plots/concurrency/{variant}.json"][0]["content"]
+        assert {layer["encoding"]["y"]["field"] for layer in spec["hconcat"]} == {"aggregate_tokens_per_s",
+                                                                                 "ms_per_token"}
+        assert [row["sequences"] for row in spec["data"]["values"]] == [1]  # a batch-1 build: one in flight
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ Writes, under ``artifacts/<model>/<variant>/``:
                        (NxDI's ``latency_ms_p50`` ... ``throughput`` keys beside ``tokens_per_s``, ``ms_per_token``,
                        ``ttft_ms``, overall and per context), costs, per-prompt verdicts and the failure report; the
                        preflight's estimate and the measured peak RSS it can be checked against
-and ``artifacts/<model>/plots/<variant>.json``: one row per context length, for ``dvc plots``.
+and for ``dvc plots``: ``artifacts/<model>/plots/<variant>.json``, one row per context length, and
+``artifacts/<model>/plots/concurrency/<variant>.json``, one row per count of sequences in flight (1 .. batch_size).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from pipeline.stages import StageResult, StageStatus, code_of
 from pipeline.stages import package as package_stage
 from pipeline.stages import reference as reference_stage
 from pipeline.validation.records import (
+    BatchParity,
+    ConcurrencyFigures,
     ContextFigures,
     Coverage,
     GateCheck,
@@ -176,6 +179,30 @@ def throughput_table(contexts: dict[str, ContextFigures], gate: ThroughputGate) 
     return "\n".join(lines)
 
 
+def concurrency_table(concurrency: dict[str, ConcurrencyFigures]) -> str:
+    """Throughput with 1 .. batch_size sequences in flight (pipeline/validation/batch.py says how it is measured)."""
+    lines = [f"  {'in flight':<9} {'tok/s all':>9} {'tok/s each':>10} {'ms/tok':>8} {'itl p50':>8} {'itl p99':>8} "
+             f"{'ttft ms':>9} {'worst':>9}"]
+    for c in concurrency.values():
+        lines.append(f"  {c.sequences:<9} {c.aggregate_tokens_per_s:>9.1f} {c.tokens_per_s:>10.1f} "
+                     f"{c.ms_per_token:>8.2f} {c.itl_ms_p50:>8.2f} {c.itl_ms_p99:>8.2f} {c.ttft_ms:>9.1f} "
+                     f"{c.ttft_ms_max:>9.1f}")
+    return "\n".join(lines)
+
+
+def batch_failures(batch: BatchParity | None) -> str:
+    """What a batched build decoded together that it did not decode alone, or that no line was reused mid-flight."""
+    if batch is None or batch.passed:
+        return ""
+    lines = [f"  {v.prompt} in line {v.line}: decoded together, it differs from itself alone from step "
+             f"{v.first_difference} (a sequence's answer must not depend on what is decoded beside it)"
+             for v in batch.together if not v.identical]
+    if not batch.reused_mid_flight:
+        lines.append(f"  of {batch.sequences} sequences in {batch.batch_size} lines, none took a line another had "
+                     "left while others decoded: the reuse of a line was not exercised")
+    return "\n".join(lines)
+
+
 def top_tokens(top: tuple[TopToken, ...]) -> str:
     return ", ".join(f"{t.text!r}={t.logit}" for t in top)
 
@@ -252,6 +279,10 @@ def write_records(cfg: PipelineConfig, record: ValidationRecord, measured: Measu
         {"context": name, "context_tokens": c.context_tokens, "tokens_per_s": c.tokens_per_s,
          "ms_per_token": c.ms_per_token, "ttft_ms": c.ttft_ms}
         for name, c in sorted(record.contexts.items(), key=lambda item: item[1].context_tokens)])
+    paths.concurrency_rows.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(paths.concurrency_rows, [
+        {"sequences": c.sequences, "aggregate_tokens_per_s": c.aggregate_tokens_per_s, "tokens_per_s": c.tokens_per_s,
+         "ms_per_token": c.ms_per_token, "ttft_ms": c.ttft_ms} for c in record.concurrency.values()])
     record.write(paths.validation_report)
 
 
@@ -260,10 +291,14 @@ def judge(cfg: PipelineConfig, record: ValidationRecord, where: str) -> None:
     log.info("validate: %s parity (%s):\n%s", cfg.variant.name, record.parity.mode, parity_table(record.prompts))
     log.info("validate: %s throughput on %s:\n%s", cfg.variant.name, where,
              throughput_table(record.contexts, record.throughput_gate))
+    log.info("validate: %s with sequences in flight at once:\n%s", cfg.variant.name,
+             concurrency_table(record.concurrency))
     if not record.gates.parity:
         par = record.parity
+        together = batch_failures(record.batch_parity)
         raise ParityError(f"{cfg.variant.name}: parity failed ({par.mode}) on {par.prompts - par.prompts_matched} "
-                          f"of {par.prompts} prompts:\n" + failure_table(record.prompts)
+                          f"of {par.prompts} prompts" + (", and decoding them together" if together else "")
+                          + ":\n" + "\n".join(x for x in (failure_table(record.prompts), together) if x)
                           + f"\nfull report: {Paths.of(cfg).validation_report}")
     if not record.gates.throughput:
         raise ThroughputError(f"{cfg.variant.name}: throughput below the {record.throughput_gate.floor} floor:\n"
