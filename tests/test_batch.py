@@ -296,3 +296,44 @@ def test_the_card_versions_and_metrics_show_the_batch_and_its_throughput(tiny_ba
     header, line = listed[0], next(x for x in listed if BATCHED in x)
     assert "batch" in header and "tok/s, full batch" in header
     assert line.split()[2] == "4" and f"{full:.1f}" in line.split()
+
+
+class ToyRanks:
+    """A build of two lines whose logits are a function of each row's token and position alone, or (``leaky``) of
+    every row's: what validation must tell apart."""
+
+    def __init__(self, leaky: bool):
+        self.shape, self.leaky, self.vocab = BuildShape(64, 8, "fp32", "device", 1, batch_size=2), leaky, 16
+
+    def _logits(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = embeds[:, -1, 0] + positions[:, -1].float()  # each row's last token and position
+        if self.leaky:
+            rows = rows + 0.001 * embeds[:, -1, 0].sum()
+        logits = torch.sin(rows.view(-1, 1) * torch.arange(1, self.vocab + 1).float())
+        return logits, logits.argmax(-1)
+
+    def prefill(self, embeds, per_layer, positions, last_index, seq_ids):
+        return self._logits(embeds[:, :int(last_index) + 1], positions[:, :int(last_index) + 1])
+
+    def decode(self, embeds, per_layer, positions, last_index, seq_ids):
+        return self._logits(embeds, positions)
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("leaky", [False, True])
+def test_validation_tells_a_batch_whose_rows_depend_on_each_other_from_one_whose_rows_do_not(leaky):
+    from pipeline.validation.batch import together
+
+    def embed(ids):
+        return torch.tensor(ids, dtype=torch.float32).view(1, -1, 1).expand(1, len(ids), 4).contiguous(), \
+            torch.zeros(0)
+
+    gen = Generator(ToyRanks(leaky), embed, eos_ids=(), pad_id=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [2, 2]]
+    alone = [(g.tokens, g.logits) for g in (gen.generate(p, 6) for p in prompts)]
+    verdict = together(gen.batch, gen.eos_ids, ["a", "b", "c"], prompts, 6, [None] * 3, alone)
+    assert verdict.sequences == 3 and verdict.reused_mid_flight == 1  # "c" took a line "a" left, "b" decoding
+    assert verdict.passed == (not leaky)
+    assert [v.identical for v in verdict.together] == ([True] * 3 if not leaky else [False] * 3)

@@ -209,6 +209,29 @@ def test_bf16_passes_its_logits_mode(tmp_path, variant):
     assert rank["checks"]["compiles_after_warm_up"] == 0
 
 
+@needs_torch_xla
+@pytest.mark.parametrize(("variant", "name"), [("512_fp32", "512_fp32+tp1+bs3"),
+                                               ("256_bf16_host", "256_bf16_host+fp32+tp1+bs3")])
+def test_a_batch_lowers_runs_and_decodes_each_sequence_as_alone(tmp_path, variant, name):
+    """At batch 3 on one rank: every graph takes seq_ids (prefill: one line; decode: the three rows), compiles nothing
+    after its warm-up and updates every line's caches in place; a host prefill seeds one line of the device's caches;
+    each prompt is the reference's token for token, and decoded together, bit for bit, itself decoded alone, one
+    taking a line mid-flight. In fp32: torch-xla's CPU client rounds a batch's graphs unlike batch 1's (logits ~3e-6
+    apart), which a bf16 cache write can amplify past the dtype-noise bound on the tiny model (docs/xla.md)."""
+    root = tmp_path / "artifacts"
+    proc = build(root, variant, "variant.tp_degree=1", "variant.batch_size=3", "variant.dtype=fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rank,) = trace_record(root, name)["ranks"]
+    checks = rank["checks"]
+    assert checks["compiles_after_warm_up"] == 0 and checks["host_fallbacks"] == []
+    assert checks["aliased_inputs_per_graph"] == [checks["caches"]] * len(rank["graphs"])
+    for entry, graph in rank["graphs"].items():  # seq_ids: a prefill's one line beside its last index, or three rows
+        wanted = {"s64[3]": 1, "s64[3,1]": 1} if entry == "decode" else {"s64[1]": 2}
+        assert {p: graph["parameters"].count(p) for p in wanted} == wanted, graph["parameters"]
+    together = json.loads((root / "gemma4_tiny" / name / "validation.json").read_text())["batch_parity"]
+    assert together["passed"] and together["reused_mid_flight"] >= 1
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> Path:
     """An artifacts folder with the toolchain (backend=xla) and the tiny model: what the trace stage reads. Shared
