@@ -66,6 +66,32 @@ def inputs(tokens, hidden=128, layers=8, ple=16):
 """
 
 
+def test_a_batched_model_pt_takes_exactly_the_last_keys_inputs_and_routes_each_graph_by_their_shapes(neuron_checked,
+                                                                                                     sdk):
+    """ModelBuilder traces its executor with the last key's example inputs (NxD v2.28.0 model_builder.py ~1091): a
+    batch-4 build's model.pt takes exactly five (seq_ids the fifth), a prefill's one line or a decode step's four
+    rows; four inputs, or shapes no key was traced with, are refused."""
+    out, root = neuron_checked
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    path = root / "gemma4_tiny" / "512_fp32+bs4" / "build" / "model.pt"
+    run = python(INPUTS + f"""
+import torch, torch_neuronx
+model = torch.jit.load({str(path)!r})
+model.nxd_model.initialize_with_saved_weights(torch.tensor(0))
+prefill = (*inputs(128), torch.tensor([2]))
+decode = tuple(t.repeat(4, *[1] * (t.dim() - 1)) for t in inputs(1)[:3]) + (torch.tensor([0]), torch.arange(4))
+print("prefill", tuple(model(*prefill)[0].shape), "decode", tuple(model(*decode)[0].shape))
+for name, bad in (("four", inputs(128)), ("shapes", (*inputs(64), torch.tensor([2])))):
+    try:
+        model(*bad)
+    except Exception as exc:
+        print(name, "refused", type(exc).__name__)
+""")
+    assert run.returncode == 0, run.stderr
+    assert "prefill (1, 512) decode (4, 512)" in run.stdout
+    assert "four refused" in run.stdout and "shapes refused" in run.stdout
+
+
 def test_model_pt_cannot_be_loaded_before_torch_neuronx_is_imported(built):
     bare = python(f"import torch; torch.jit.load({str(built['device'])!r})")
     assert bare.returncode != 0 and "neuron::" in bare.stderr  # an operator only torch_neuronx registers
@@ -293,6 +319,32 @@ def test_model_builder_compiles_through_the_cache_and_loads_persistent_buffers_a
     assert said[0][2] == said[1][2] == "96.0"  # 8 outputs of 4 ones x ones, times the checkpoint's scale 3, not 1
     missing = subprocess.run([*run, "no-buffer"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert missing.returncode != 0 and "checkpoint has no weight scale" in missing.stderr, missing.stderr[-2000:]
+
+
+def test_model_builder_keys_of_different_input_counts_are_refused(sdk, tmp_path):
+    """The executor takes the last key's input count (NxD v2.28.0 model_builder.py ~1091), so a key of another count
+    could never be called: the real one fails at that key's first call, the stand-in (stricter) at trace."""
+    code = INPUTS + f"""
+import torch
+from torch import nn
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
+from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = ColumnParallelLinear(4, 8, bias=False, gather_output=True)
+    def forward(self, a, b, c, d, e=None):
+        return self.proj(a[..., :4]).sum(-1)
+
+builder = ModelBuilder(router=None, tp_degree=2, checkpoint_loader=lambda: {{"proj.weight": torch.ones(8, 4)}},
+                       compiler_workdir={str(tmp_path / "wd")!r})
+builder.add("prefill", BaseModelInstance(Tiny, {{}}), [(*inputs(16), torch.tensor([0]))])
+builder.add("decode", BaseModelInstance(Tiny, {{}}), [inputs(1)])
+builder.trace(initialize_model_weights=True)
+"""
+    out = python(code)
+    assert out.returncode != 0 and "TypeError: the keys' example inputs have [4, 5] tensors" in out.stderr, out.stderr
 
 
 def test_two_parallel_model_traces_at_once_collide_on_the_fixed_port(sdk, tmp_path):

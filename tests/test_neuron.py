@@ -576,7 +576,11 @@ def test_neuron_check_runs_every_layout_and_gives_a_verdict_per_check(neuron_che
     assert "exact parity on 3/3 prompts" in rows["device prefill (ModelBuilder, model.pt): load and decode"]
     # three prompts, each re-seeding the ranks' state after the first forward replaced it
     assert "logits parity on 3/3 prompts" in rows["host prefill (parallel_model_trace, tp_N.pt): load and decode"]
-    assert "7 of 7 checks passed" in out.stdout
+    # at batch 4: the executor of five inputs, each graph's cache lines; host prefill seeding one line of the state
+    for layout, mode in (("device prefill at batch 4", "exact"), ("host prefill at batch 4", "logits")):
+        assert f"{mode} parity on 3/3 prompts; 5 decoded together in 4 lines as alone" in rows[f"{layout}: load and "
+                                                                                              "decode"]
+    assert "11 of 11 checks passed" in out.stdout
 
 
 def test_neuron_check_without_the_packages_says_what_to_install_and_skips_the_rest():
@@ -584,7 +588,7 @@ def test_neuron_check_without_the_packages_says_what_to_install_and_skips_the_re
                          cwd=Path(__file__).resolve().parent.parent, timeout=600)
     assert out.returncode == 1
     assert re.search(r"Neuron packages\s+FAIL .*deploy/install-inf2.sh", out.stdout)
-    assert out.stdout.count("skipped") == 6 and "0 of 7 checks passed" in out.stdout
+    assert out.stdout.count("skipped") == 10 and "0 of 11 checks passed" in out.stdout
 
 
 def test_a_process_that_loads_a_build_by_itself_leases_its_cores_for_its_lifetime(fake_neuron):

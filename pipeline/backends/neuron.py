@@ -457,7 +457,8 @@ class NeuronRunner(RankRunner):
 
     def _call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.model(*inputs)
-        logits = (out[0] if isinstance(out, (tuple, list)) else out).to("cpu").float().reshape(1, -1)
+        rows = inputs[0].shape[0]  # one logits row per sequence of the call
+        logits = (out[0] if isinstance(out, (tuple, list)) else out).to("cpu").float().reshape(rows, -1)
         return logits, torch.argmax(logits, dim=-1)
 
     def prefill(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):

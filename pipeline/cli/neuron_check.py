@@ -9,7 +9,10 @@ prints a verdict per check:
    validation prompts token for token against the float reference (fp32, ``exact``);
 4. host prefill (``parallel_model_trace``, ``tp_0.pt``/``tp_1.pt``): compile; then load, seed each rank's KV state and
    decode several prompts (every prompt after the first proves the state is written where the loaded model reads
-   it), within bf16 noise of the reference.
+   it), within bf16 noise of the reference;
+5. both again at batch 4 (``variant.batch_size=4``): graphs taking each call's cache lines (``seq_ids``), the prompts
+   decoded alone and then together, each bit for bit as alone, one taking a line another left mid-flight; host
+   prefill seeds one line of each rank's state (read back whole, changed in that line, written whole).
 
 A failed check marks the checks that depend on it as skipped; the exit code is 0 only when every check passed.
 Everything is written under a temporary folder (``--keep DIR`` keeps it there), nothing is published.
@@ -32,9 +35,11 @@ from pathlib import Path
 from pipeline.cli import plain
 from pipeline.core.errors import PipelineError
 
-LAYOUTS = (  # (what, the variant built)
-    ("device prefill (ModelBuilder, model.pt)", "512_fp32"),
-    ("host prefill (parallel_model_trace, tp_N.pt)", "256_bf16_host"),
+LAYOUTS = (  # (what, the variant built, its overrides)
+    ("device prefill (ModelBuilder, model.pt)", "512_fp32", ()),
+    ("host prefill (parallel_model_trace, tp_N.pt)", "256_bf16_host", ()),
+    ("device prefill at batch 4", "512_fp32", ("variant.batch_size=4",)),
+    ("host prefill at batch 4", "256_bf16_host", ("variant.batch_size=4",)),
 )
 QUICK_VALIDATION = ["validate.prompt_names=[capital,near_64,spans_64]", "validate.throughput.contexts=[short]",
                     "validate.throughput.runs=1", "validate.throughput.warmup_runs=0",
@@ -128,8 +133,11 @@ def decode_layout(artifacts: Path, variant: str, overrides: list[str]) -> str:
     cfg = compose(artifacts, variant, overrides)
     stages(cfg, ("package", "validate"))  # validate raises ParityError on a mismatch
     report = ValidationRecord.read(Paths.of(cfg).validation_report)
-    parity, throughput = report.parity, report.throughput
-    return (f"{parity.mode} parity on {parity.prompts_matched}/{parity.prompts} prompts; "
+    parity, throughput, batch = report.parity, report.throughput, report.batch_parity
+    together = (f"; {batch.sequences} decoded together in {batch.batch_size} lines as alone, "
+                f"{report.concurrency[str(batch.batch_size)].aggregate_tokens_per_s:.1f} tok/s in all"
+                if batch is not None else "")
+    return (f"{parity.mode} parity on {parity.prompts_matched}/{parity.prompts} prompts{together}; "
             f"{throughput.tokens_per_s:.1f} tok/s, first token {throughput.ttft_ms:.0f} ms")
 
 
@@ -138,10 +146,11 @@ def run_checks(artifacts: Path, overrides: list[str], visible_cores: str | None)
     ready = _run("Neuron packages", check_packages, verdicts, False)
     ready = _run("NeuronCores", lambda: check_cores(visible_cores), verdicts, not ready) and ready
     shared = _run("tiny model and float reference", lambda: prepare(artifacts, overrides), verdicts, not ready)
-    for what, variant in LAYOUTS:
-        built = _run(f"{what}: compile", lambda v=variant: compile_layout(artifacts, v, overrides), verdicts,
+    for what, variant, own in LAYOUTS:
+        settings = [*overrides, *own]
+        built = _run(f"{what}: compile", lambda v=variant, o=settings: compile_layout(artifacts, v, o), verdicts,
                      not (ready and shared))
-        _run(f"{what}: load and decode", lambda v=variant: decode_layout(artifacts, v, overrides), verdicts,
+        _run(f"{what}: load and decode", lambda v=variant, o=settings: decode_layout(artifacts, v, o), verdicts,
              not built)
     return verdicts
 

@@ -182,14 +182,17 @@ class ModelBuilder:
             graphs, owner = {}, None
             for key, (instance, example, _) in self.model_collection.items():
                 instance.load_module()
-                module, aliases = instance.get(0)
+                module, aliases = instance.get(0)  # each key's own module is traced (~832-884)
+                graph = StateGraph(module, aliases, return_aliased=False)
                 if owner is None:
-                    owner = StateGraph(module, aliases, return_aliased=False)
+                    owner = graph
                     self._load_weights(owner, checkpoint if shard is None else shard, rank, sliced=shard is not None)
                 elif _layout(module, aliases) != _layout(owner.model, dict(zip(owner.states, owner.indices))):
                     raise ValueError(f"key {key!r}: the models of one ModelBuilder must share their weights and state")
+                else:
+                    _share(graph, owner)
                 with torch.no_grad():
-                    graphs[key] = torch.jit.trace(owner, tuple(example[0]), check_trace=False)
+                    graphs[key] = torch.jit.trace(graph, tuple(example[0]), check_trace=False)
             with torch.no_grad():
                 for state in owner.states:
                     state.zero_()  # tracing ran the examples through the state; StateInitializer starts at zero
@@ -227,6 +230,16 @@ def _slice(checkpoint, name, param, rank, tp_degree):
     full = checkpoint[name]
     dim = getattr(param, "partition_dim", None)
     return full if dim is None else torch.split(full, full.shape[dim] // tp_degree, dim)[rank]
+
+
+def _share(graph, owner):
+    """Bind every weight and state tensor of ``graph`` to ``owner``'s of the same name: one weight set and one state
+    for every key, as the runtime binds every bucket's graph to the same buffers (``initialize_spmd_models(self.state,
+    self.weights, ...)`` over every bucket model, spmd.py ~177-191)."""
+    mine = dict(graph.named_parameters()) | dict(graph.named_buffers())
+    theirs = dict(owner.named_parameters()) | dict(owner.named_buffers())
+    for name, tensor in mine.items():
+        tensor.data = theirs[name].data
 
 
 def _layout(module, aliases):
