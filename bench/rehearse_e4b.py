@@ -2,9 +2,12 @@
 
 On one CPU machine, before renting an inf2 host: writes the E4B-shaped random checkpoint
 (``python -m pipeline.models.e4b_shaped``), then runs the pipeline as a user does, one command per stage, for one
-device-prefill and one host-prefill bf16 variant at tp_degree 2 on the cpu backend, from a clean artifacts folder,
-publishing to a local folder; then pulls the device-prefill version, serves it and asks it through the ``openai``
-client, and times transformers' own bf16 ``generate`` on the same weights and cores as the baseline of decode speed.
+device-prefill and one host-prefill bf16 variant and the device-prefill one at batch 4, at tp_degree 2 on the cpu
+backend, from a clean artifacts folder, publishing to a local folder; then pulls the device-prefill version, serves it
+and asks it through the ``openai`` client, serves the batch-4 version to one client and then four at once, and times
+transformers' own bf16 ``generate`` on the same weights and cores as the baseline of decode speed. Once a variant is
+published its archive folder goes (the publish folder holds the archive), and so do the later variants' rank files:
+three variants' files at once would not fit this machine's free disk.
 
 While each command runs, every process of its tree is sampled (``/proc/<pid>/status``: VmHWM, the process's own
 high-water mark, so no peak falls between samples), and the file system's used bytes give the disk high-water mark.
@@ -31,7 +34,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-VARIANTS = ("512_bf16", "512_bf16_host")
+VARIANTS = ("512_bf16", "512_bf16_host", "512_bf16+bs4")
+BATCHED = VARIANTS[2]
+CLIENTS = (1, 4)  # the batched version served to one client, then four at once
 # A release validates six prompts with 32 new tokens each; the rehearsal two, 16 tokens, one timed run per context.
 # The cpu backend's decode floor (5 tokens/s) is the tiny model's; E4B's ranks decode about 1 token/s on 2 cores.
 VALIDATE = ("validate.max_new_tokens=16", "validate.prompt_names=[capital,near_64]", "validate.throughput.runs=1",
@@ -219,6 +224,46 @@ def ask_server(out: Path, artifacts: Path, published: Path, ckpt: Path, env: dic
     return figures
 
 
+def serve_batched(out: Path, published: Path, ckpt: Path, env: dict) -> dict:
+    """``serve`` the batch-4 version and drive it with one streamed client, then four at once
+    (bench/serve_batching.py's clients): every client's tokens/s together, time to first token, inter-token latency."""
+    import socket
+    import urllib.request
+
+    sys.path.insert(0, str(REPO))
+    from bench.serve_batching import drive
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(published), BATCHED, "--checkpoint",
+                               str(ckpt), "--dest", str(out / "serving-batched"), "--allow-unsigned", "--port",
+                               str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=(out / "serve-batched.log").open("w"))
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"serve exited: {(out / 'serve-batched.log').read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        version = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())["data"][0]["id"]
+        figures = {str(c): drive(url, version, c, 1, 16) for c in CLIENTS}
+        host = psutil.Process(server.pid)
+        figures["rank_rss_bytes"] = [status(c.pid).get("VmHWM", 0) for c in host.children(recursive=True)
+                                     if role(c) == "rank"]
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        shutil.rmtree(out / "serving-batched", ignore_errors=True)
+    print(f"serve {BATCHED}: " + ", ".join(f"{c} client(s) {figures[str(c)]['aggregate']:.2f} tok/s in all"
+                                           for c in CLIENTS), flush=True)
+    return figures
+
+
 def baselines(out: Path, artifacts: Path, ckpt: Path, env: dict, disk_base: int) -> dict:
     """transformers' bf16 generate, and ``tar -I 'zstd -T0'`` of the same rank files the package stage packed."""
     hf = run(Step("transformers bf16 generate", [sys.executable, "-c", TRANSFORMERS_BASELINE, str(ckpt), "32",
@@ -244,19 +289,31 @@ def estimates(checkpoint: Path) -> dict[str, float]:
     """Each step's preflight need (GiB), from the preflight's code as it is now (the records hold what it said when
     they were written)."""
     from pipeline.backends.registry import BACKENDS
-    from pipeline.core.shape import BuildShape
     from pipeline.host import preflight
     from pipeline.recipe.spec import load_spec
 
     spec, cpu = load_spec(checkpoint), BACKENDS["cpu"]
     need = {"reference": preflight.reference_need(spec).memory / GIB}
     for variant in VARIANTS:
-        conf = yaml.safe_load((REPO / "conf" / "variant" / f"{variant}.yaml").read_text())
-        shape = BuildShape(**{f.name: conf[f.name] for f in fields(BuildShape)})
+        shape = shape_of(variant)
         est = preflight.estimate(spec, shape, cpu, None)
         need[f"trace {variant}"] = preflight.trace_need(est.resources, cpu, shape, 0, []).memory / GIB
         need[f"validate {variant}"] = preflight.validate_need(est.resources, cpu, shape).memory / GIB
     return need
+
+
+def shape_of(variant: str):
+    """A named variant's shape, or a derived name's (``512_bf16+bs4``: the file's fields, then each part's)."""
+    from pipeline.core import derived_names
+    from pipeline.core.shape import BuildShape
+
+    name, *parts = variant.split("+")
+    conf = yaml.safe_load((REPO / "conf" / "variant" / f"{name}.yaml").read_text())
+    values = {f.name: conf.get(f.name, f.default) for f in fields(BuildShape)}
+    for part in parts:
+        key, value = derived_names.read_part(part)
+        values[key] = int(value) if derived_names.choices(key) is None else value
+    return BuildShape(**values)
 
 
 def table(out: Path) -> str:
@@ -300,6 +357,7 @@ def main() -> int:
         build_all(out, ckpt, artifacts, published, args.layers, env, disk_base, steps)
     extras = {"baselines": baselines(out, artifacts, ckpt, env, disk_base)}
     extras["serve"] = ask_server(out, artifacts, published, ckpt, env, disk_base)
+    extras["serve_batched"] = serve_batched(out, published, ckpt, env)
     write(out, steps, args.layers, extras)
     print(table(out), end="")
     return 0
@@ -324,6 +382,10 @@ def build_all(out: Path, ckpt: Path, artifacts: Path, published: Path, layers: i
     for variant in VARIANTS:
         for stage in ("trace", "package", "validate", "publish"):
             step(pipeline_step(f"{stage} {variant}", variant, stage, ckpt, artifacts, published))
+        # Published: its archive is in the publish folder. The first variant's rank files stay for the tar baseline.
+        shutil.rmtree(artifacts / "gemma4_e4b" / variant / "dist")
+        if variant != VARIANTS[0]:
+            shutil.rmtree(artifacts / "gemma4_e4b" / variant / "build")
     write(out, steps, layers, {})
 
 

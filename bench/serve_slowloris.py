@@ -12,9 +12,12 @@ Builds the tiny model's 512_fp32 (bench/serve.py's ``build``), starts ``python -
             their peak; the lines its log gained (besides one access line per answered request).
 
 Printed as ratios against the baseline. Goals: every probe answered, the worst within 100 ms; the log a few lines.
-``--repo`` serves with another checkout's pipeline (an earlier commit, for a before/after).
+``--repo`` serves with another checkout's pipeline (an earlier commit, for a before/after). ``--variant 512_fp32+bs4
+--busy 4`` serves a batch-4 build with four clients streaming completions the whole time (baseline and attack alike):
+``/health`` and the connection bound under a full batch.
 
     python bench/serve_slowloris.py [--connections 1100] [--seconds 25] [--repo /path/to/checkout]
+    python bench/serve_slowloris.py --variant 512_fp32+bs4 --busy 4
 """
 
 from __future__ import annotations
@@ -98,6 +101,24 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def keep_busy(port: int, clients: int, stop: threading.Event) -> list[int]:
+    """``clients`` threads streaming completions one after another until ``stop``; the tokens each received."""
+    import urllib.request
+
+    from bench.serve_batching import stream
+
+    url, tokens = f"http://127.0.0.1:{port}", [0] * clients
+    version = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())["data"][0]["id"]
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            tokens[i] += len(stream(url, version, f"Tell me about the number {i}.", 64)[1])
+
+    for i in range(clients):
+        threading.Thread(target=client, args=(i,), daemon=True).start()
+    return tokens
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--probe"]:
         probe(int(sys.argv[2]), float(sys.argv[3]))
@@ -106,6 +127,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=1100)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose pipeline serves")
+    parser.add_argument("--variant", default="512_fp32", help="the build served (512_fp32+bs4: four at once)")
+    parser.add_argument("--busy", type=int, default=0, help="clients streaming completions the whole time")
     args = parser.parse_args()
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < args.connections + 64:
@@ -113,7 +136,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the attacker's own limit, past the server's 1024
 
     with tempfile.TemporaryDirectory(prefix="serve-slowloris-") as tmp:
-        rank_dir, weights = build(Path(tmp) / "artifacts", "512_fp32", None)
+        rank_dir, weights = build(Path(tmp) / "artifacts", args.variant, None)
         port = free_port()
         log = open(Path(tmp) / "serve.log", "w+")
 
@@ -123,9 +146,11 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(rank_dir), "--checkpoint",
                                  str(weights), "--port", str(port)], cwd=args.repo, stdout=subprocess.DEVNULL,
                                 stderr=log, text=True, preexec_fn=limited)
+        busy = threading.Event()
         try:
             wait_ready(port, proc, log)
-            time.sleep(1.0)
+            streamed = keep_busy(port, args.busy, busy) if args.busy else []
+            time.sleep(1.0 + 2.0 * bool(args.busy))  # the busy clients' sequences take their lines
             idle_ms = [health_ms(port) for _ in range(100)]
             log_before = Path(log.name).read_text().count("\n")
             prober = subprocess.Popen([sys.executable, __file__, "--probe", str(port), str(args.seconds)],
@@ -146,14 +171,18 @@ def main() -> None:
             after_ms = health_ms(port, timeout=30)
             alive = proc.poll() is None
         finally:
+            busy.set()
             proc.terminate()
             proc.wait(timeout=60)
         elapsed = time.monotonic() - started
 
     answered = [ms for ms in probes if ms is not None]
-    print(f"{args.connections} slowloris connections for {args.seconds:g} s against serve with ulimit -n {NOFILE} "
-          f"({args.repo}); attack ran {elapsed:.0f} s: {outcome}")
-    print(f"  /health ms   idle: median {statistics.median(idle_ms):.1f}, worst {max(idle_ms):.1f}")
+    print(f"{args.connections} slowloris connections for {args.seconds:g} s against serve of {args.variant} with "
+          f"ulimit -n {NOFILE} ({args.repo}); attack ran {elapsed:.0f} s: {outcome}")
+    if args.busy:
+        print(f"  {args.busy} clients streamed the whole time (baseline and attack): {sum(streamed)} tokens")
+    baseline = "busy, no attack" if args.busy else "idle"
+    print(f"  /health ms   {baseline}: median {statistics.median(idle_ms):.1f}, worst {max(idle_ms):.1f}")
     if answered:
         print(f"  under attack: {len(answered)} of {len(probes)} probes answered; median "
               f"{statistics.median(answered):.1f}, worst {max(answered):.1f}; "

@@ -9,6 +9,7 @@ token. Apart from routes.py: how a request is decoded, not the shape of its answ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +78,13 @@ class Service:
         try:
             self.engine.serve_forever()
         except RanksFailed as exc:
-            self.loop.call_soon_threadsafe(self.failed, exc)
+            self.post(self.failed, exc)
+
+    def post(self, callback, *args) -> None:
+        """Have the event loop call ``callback(*args)``, from the decode thread; nothing once the loop has closed (the
+        server has stopped: nobody is left to tell)."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(callback, *args)
 
     def shutdown(self) -> None:
         """After the server stopped: end the decode loop (its sequences are done), unload the build."""
@@ -189,24 +196,24 @@ class Decoding:
 
     def sequences(self, stops: tuple[str, ...], stop_ids: tuple[int, ...]) -> list[Sequence]:
         """A sequence per choice, its text handed to this request's queue, fair among requests (``group``)."""
-        engine, loop = self.service.engine, self.service.loop
+        engine = self.service.engine
         for choice in self.choices:
             sampler = Sampler(choice.sampling, choice.ids) if choice.sampling is not None else None
 
             def sink(item, index=choice.index):
                 if isinstance(item, Piece):
                     self.service.metrics.tokens.inc()  # what the build decoded, read by the client or not
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+                self.service.post(self.queue.put_nowait, (index, item))
 
             self._sequences.append(engine.sequence(choice.ids, choice.max_tokens, stops, sink, sampler, stop_ids,
                                                    group=self, on_start=self._on_start, on_end=self._on_end))
         return self._sequences
 
     def _on_start(self, _: Sequence) -> None:  # in the decode thread
-        self.service.loop.call_soon_threadsafe(self._line_taken)
+        self.service.post(self._line_taken)
 
     def _on_end(self, seq: Sequence) -> None:  # in the decode thread
-        self.service.loop.call_soon_threadsafe(self._line_freed, seq)
+        self.service.post(self._line_freed, seq)
 
     def _line_taken(self) -> None:
         admission = self.service.admission

@@ -1,0 +1,194 @@
+"""Continuous batching through ``serve``'s HTTP routes: a batch-1 and a batch-4 build of the same variant, against
+transformers' own batched ``generate``, on the same machine in one run.
+
+Builds the variant at ``batch_size`` 1 and 4 with the pipeline's own stages (the embedded tiny model by default;
+``--e4b-layers N`` writes a checkpoint at google/gemma-4-E4B-it's real widths with N layers, as
+``bench/rank_weights_rss.py`` does), serves each in turn, and drives it with 1, 2, 4 and 8 clients at once, each
+sending ``--requests`` streamed completions of ``--tokens`` new tokens (greedy, a prompt of its own) one after another.
+Per build and client count, from the clients' clocks (one event per token):
+
+  aggregate   every client's tokens over the wall time from the first request sent to the last token received
+  ttft        time to first token per request (queue wait and the prefills ahead of it included): p50 and p99
+  itl         inter-token latency, consecutive events of one request: p50 and p99
+
+The baseline: ``Gemma4ForCausalLM.generate`` of the same eight prompts at once, left-padded, greedy, the same new
+tokens, at the variant's dtype, with every CPU this process may use (the two rank processes share those CPUs), timed
+after a warm-up. Goals (issue 48): at 8 clients batch 4 gives at least 3x batch 1's aggregate on the tiny model; at
+E4B's widths at least transformers' batched generate; p50 inter-token latency at batch 4 at most 1.5x batch 1's on
+the tiny model.
+
+    python bench/serve_batching.py [--e4b-layers 6] [--variant 512_bf16] [--tokens 64] [--requests 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.serve import build, e4b_checkpoint, free_port  # noqa: E402
+
+CLIENTS = (1, 2, 4, 8)
+BATCH = 4
+TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "the desert", "an old library", "a storm",
+          "a garden in spring"]
+
+
+def prompt(i: int) -> str:
+    return f"Write a few sentences about {TOPICS[i % len(TOPICS)]}."
+
+
+def stream(url: str, version: str, text: str, tokens: int) -> tuple[float, list[float]]:
+    """One streamed completion: ``(sent, [arrival of each token])`` by this client's clock."""
+    body = json.dumps({"model": version, "prompt": text, "max_tokens": tokens, "stream": True,
+                       "stop_token_ids": []}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    sent, arrivals = time.perf_counter(), []
+    with urllib.request.urlopen(req, timeout=900) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                arrivals.append(time.perf_counter())
+    return sent, arrivals
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def drive(url: str, version: str, clients: int, requests: int, tokens: int) -> dict:
+    """``clients`` threads, each sending ``requests`` streamed completions in turn; the figures of the module's
+    docstring."""
+    runs: list[tuple[float, list[float]]] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(requests):
+            got = stream(url, version, prompt(c * requests + r), tokens)
+            with lock:
+                runs.append(got)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tokens_in = sum(len(a) for _, a in runs)
+    wall = max(a[-1] for _, a in runs) - started
+    ttft = [a[0] - s for s, a in runs]
+    itl = [y - x for _, a in runs for x, y in zip(a, a[1:])]
+    return {"aggregate": tokens_in / wall, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "tokens": tokens_in}
+
+
+def serve(rank_dir: Path, weights: Path) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(rank_dir), "--checkpoint", str(weights),
+                             "--port", str(port), "--queue-size", "16"], cwd=REPO, stderr=subprocess.DEVNULL)
+    while True:
+        assert proc.poll() is None, "serve exited"
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+    version = json.loads(rank_dir.with_name(rank_dir.name + ".manifest.json").read_text())["version"]
+    return proc, url, version
+
+
+def measure_build(rank_dir: Path, weights: Path, requests: int, tokens: int) -> dict[int, dict]:
+    proc, url, version = serve(rank_dir, weights)
+    try:
+        drive(url, version, BATCH, 1, tokens)  # warm-up: every line's first use
+        return {c: drive(url, version, c, requests, tokens) for c in CLIENTS}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+BASELINE = r"""
+import json, sys, time, torch
+from transformers import AutoTokenizer, Gemma4ForCausalLM
+path, dtype, tokens, prompts = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+tok = AutoTokenizer.from_pretrained(path)
+tok.padding_side = "left"
+model = Gemma4ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+batch = tok(prompts, return_tensors="pt", padding=True)
+with torch.no_grad():
+    model.generate(**batch, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+    started = time.perf_counter()
+    out = model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    wall = time.perf_counter() - started
+print(json.dumps({"aggregate": (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts) / wall,
+                  "threads": torch.get_num_threads()}))
+"""
+
+
+def transformers_generate(weights: Path, dtype: str, tokens: int) -> dict:
+    prompts = [prompt(i) for i in range(max(CLIENTS))]
+    out = subprocess.run([sys.executable, "-c", BASELINE, str(weights), dtype, str(tokens), json.dumps(prompts)],
+                         cwd=REPO, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--e4b-layers", type=int, default=0,
+                        help="an E4B-shaped checkpoint with this many layers (6); default: the tiny model")
+    parser.add_argument("--variant", default="512_bf16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gemma4-bench-batching-"))
+    try:
+        checkpoint = e4b_checkpoint(args.e4b_layers, work / "e4b") if args.e4b_layers else None
+        built = {}
+        for batch in (1, BATCH):
+            variant = args.variant if batch == 1 else f"{args.variant}+bs{batch}"
+            started = time.monotonic()
+            built[batch] = build(work / f"artifacts-{batch}", variant, checkpoint)
+            print(f"built {variant} in {time.monotonic() - started:.0f} s", flush=True)
+        figures = {batch: measure_build(*built[batch], args.requests, args.tokens) for batch in built}
+        dtype = "bfloat16" if "bf16" in args.variant else "float32"
+        baseline = transformers_generate(built[1][1], dtype, args.tokens)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    model = f"E4B widths, {args.e4b_layers} layers" if args.e4b_layers else "the tiny model"
+    print(f"\n{args.variant} on {model}, cpu backend (tp_degree 2), {args.tokens} new tokens per request, "
+          f"{args.requests} requests per client, {os.cpu_count()} CPUs")
+    print(f"{'batch':>5} {'clients':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8}")
+    for batch, rows in figures.items():
+        for clients, f in rows.items():
+            print(f"{batch:>5} {clients:>7} {f['aggregate']:>8.1f} {1e3 * f['ttft_p50']:>9.1f} "
+                  f"{1e3 * f['ttft_p99']:>9.1f} {1e3 * f['itl_p50']:>8.1f} {1e3 * f['itl_p99']:>8.1f}")
+    print(f"transformers generate, {max(CLIENTS)} prompts at once ({baseline['threads']} threads): "
+          f"{baseline['aggregate']:.1f} tok/s")
+    one, four = figures[1][max(CLIENTS)], figures[BATCH][max(CLIENTS)]
+    print(f"ratio batch {BATCH} / batch 1 aggregate at {max(CLIENTS)} clients: "
+          f"{four['aggregate'] / one['aggregate']:.2f}  (goal on the tiny model >= 3)")
+    print(f"ratio batch {BATCH} at {max(CLIENTS)} clients / transformers batched generate: "
+          f"{four['aggregate'] / baseline['aggregate']:.2f}  (goal at E4B widths >= 1)")
+    print(f"ratio itl p50 batch {BATCH} / batch 1 at {max(CLIENTS)} clients: "
+          f"{four['itl_p50'] / one['itl_p50']:.2f}  (goal on the tiny model <= 1.5)")
+    print(json.dumps({"figures": {str(b): {str(c): f for c, f in rows.items()} for b, rows in figures.items()},
+                      "transformers": baseline}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
