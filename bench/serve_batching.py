@@ -13,11 +13,12 @@ Per build and client count, from the clients' clocks (one event per token):
 
 The baseline: ``Gemma4ForCausalLM.generate`` of the same eight prompts at once, left-padded, greedy, the same new
 tokens, at the variant's dtype, with every CPU this process may use (the two rank processes share those CPUs), timed
-after a warm-up. Goals (issue 48): at 8 clients batch 4 gives at least 3x batch 1's aggregate on the tiny model; at
-E4B's widths at least transformers' batched generate; p50 inter-token latency at batch 4 at most 1.5x batch 1's on
-the tiny model.
+after a warm-up; and of as many prompts as each batched build decodes at once (like for like: as many rows per step).
+Goals (issue 48): at 8 clients batch 4 gives at least 3x
+batch 1's aggregate on the tiny model; at E4B's widths at least transformers' batched generate; p50 inter-token
+latency at batch 4 at most 1.5x batch 1's on the tiny model.
 
-    python bench/serve_batching.py [--e4b-layers 6] [--variant 512_bf16] [--tokens 64] [--requests 3]
+    python bench/serve_batching.py [--e4b-layers 6] [--variant 512_bf16] [--tokens 64] [--requests 3] [--batches 1,4]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench.serve import build, e4b_checkpoint, free_port  # noqa: E402
 
 CLIENTS = (1, 2, 4, 8)
-BATCH = 4
+BATCH = 4  # the batched build the goals name
 TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "the desert", "an old library", "a storm",
           "a garden in spring"]
 
@@ -98,7 +99,8 @@ def serve(rank_dir: Path, weights: Path) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(rank_dir), "--checkpoint", str(weights),
-                             "--port", str(port), "--queue-size", "16"], cwd=REPO, stderr=subprocess.DEVNULL)
+                             "--port", str(port), "--queue-size", "16", "--queue-timeout", "3600"], cwd=REPO,
+                            stderr=subprocess.DEVNULL)
     while True:
         assert proc.poll() is None, "serve exited"
         try:
@@ -138,8 +140,8 @@ print(json.dumps({"aggregate": (out.shape[1] - batch["input_ids"].shape[1]) * le
 """
 
 
-def transformers_generate(weights: Path, dtype: str, tokens: int) -> dict:
-    prompts = [prompt(i) for i in range(max(CLIENTS))]
+def transformers_generate(weights: Path, dtype: str, tokens: int, prompts: int) -> dict:
+    prompts = [prompt(i) for i in range(prompts)]
     out = subprocess.run([sys.executable, "-c", BASELINE, str(weights), dtype, str(tokens), json.dumps(prompts)],
                          cwd=REPO, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -152,19 +154,22 @@ def main() -> None:
     parser.add_argument("--variant", default="512_bf16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
+    parser.add_argument("--batches", default="1,4", help="the builds' batch sizes (1 and 4 at least)")
     args = parser.parse_args()
+    batches = sorted({int(b) for b in args.batches.split(",")} | {1, BATCH})
     work = Path(tempfile.mkdtemp(prefix="gemma4-bench-batching-"))
     try:
         checkpoint = e4b_checkpoint(args.e4b_layers, work / "e4b") if args.e4b_layers else None
         built = {}
-        for batch in (1, BATCH):
+        for batch in batches:
             variant = args.variant if batch == 1 else f"{args.variant}+bs{batch}"
             started = time.monotonic()
             built[batch] = build(work / f"artifacts-{batch}", variant, checkpoint)
             print(f"built {variant} in {time.monotonic() - started:.0f} s", flush=True)
         figures = {batch: measure_build(*built[batch], args.requests, args.tokens) for batch in built}
         dtype = "bfloat16" if "bf16" in args.variant else "float32"
-        baseline = transformers_generate(built[1][1], dtype, args.tokens)
+        baseline = transformers_generate(built[1][1], dtype, args.tokens, max(CLIENTS))
+        alike = {b: transformers_generate(built[1][1], dtype, args.tokens, b) for b in batches if 1 < b < max(CLIENTS)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -177,7 +182,13 @@ def main() -> None:
             print(f"{batch:>5} {clients:>7} {f['aggregate']:>8.1f} {1e3 * f['ttft_p50']:>9.1f} "
                   f"{1e3 * f['ttft_p99']:>9.1f} {1e3 * f['itl_p50']:>8.1f} {1e3 * f['itl_p99']:>8.1f}")
     print(f"transformers generate, {max(CLIENTS)} prompts at once ({baseline['threads']} threads): "
-          f"{baseline['aggregate']:.1f} tok/s")
+          f"{baseline['aggregate']:.1f} tok/s; " + ", ".join(f"{b} at once: {f['aggregate']:.1f} tok/s"
+                                                             for b, f in alike.items()))
+    for batch in batches[1:]:  # like for like: as many rows per step on both sides
+        ours = figures[batch][max(CLIENTS)]["aggregate"]
+        theirs = alike.get(batch, baseline)["aggregate"]
+        print(f"ratio batch {batch} at {max(CLIENTS)} clients / transformers generate of {min(batch, max(CLIENTS))} "
+              f"prompts at once: {ours / theirs:.2f}")
     one, four = figures[1][max(CLIENTS)], figures[BATCH][max(CLIENTS)]
     print(f"ratio batch {BATCH} / batch 1 aggregate at {max(CLIENTS)} clients: "
           f"{four['aggregate'] / one['aggregate']:.2f}  (goal on the tiny model >= 3)")
@@ -186,7 +197,7 @@ def main() -> None:
     print(f"ratio itl p50 batch {BATCH} / batch 1 at {max(CLIENTS)} clients: "
           f"{four['itl_p50'] / one['itl_p50']:.2f}  (goal on the tiny model <= 1.5)")
     print(json.dumps({"figures": {str(b): {str(c): f for c, f in rows.items()} for b, rows in figures.items()},
-                      "transformers": baseline}))
+                      "transformers": baseline, "transformers_alike": alike}))
 
 
 if __name__ == "__main__":

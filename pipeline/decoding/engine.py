@@ -15,21 +15,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pipeline.decoding.runner import BatchRunner, RanksFailed
 from pipeline.decoding.scheduler import Prefill, Scheduler
 from pipeline.decoding.sequence import Finish, Sequence, Status, Step
-
-
-@dataclass
-class EngineStats:
-    """What the engine has done, for serve's ``/metrics`` and the benchmarks."""
-
-    decode_steps: int = 0
-    decode_rows: int = 0
-    """Sequences decoded over every decode step (occupancy: rows / steps / lines)."""
-    prefill_calls: int = 0
 
 
 class BatchEngine:
@@ -41,7 +30,6 @@ class BatchEngine:
         self.scheduler = Scheduler(runner.lines)
         self.on_decode = on_decode
         """Called (in the engine's thread) with the number of sequences in each decode step."""
-        self.stats = EngineStats()
         self.failure: RanksFailed | None = None
         self._incoming: list[Sequence] = []
         self._wake = threading.Condition()
@@ -117,8 +105,6 @@ class BatchEngine:
         except Exception as exc:  # noqa: BLE001 - the host's work for this sequence: its error, not the others'
             self._end(seq, Finish.error, exc)
             return
-        finally:
-            self.stats.prefill_calls += 1
         if out is not None:
             seq.status = Status.decoding
             logits, token = out
@@ -133,12 +119,10 @@ class BatchEngine:
             for seq in seqs:
                 self._end(seq, Finish.error, exc)
             return
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += len(seqs)
         if self.on_decode:
             self.on_decode(len(seqs))
-        for seq in seqs:
-            self._deliver(seq, logits[seq.line], int(tokens[seq.line]), seconds)
+        for seq in seqs:  # each its own row (a copy: a step kept by its sequence keeps no other row alive)
+            self._deliver(seq, logits[seq.line].clone(), int(tokens[seq.line]), seconds)
 
     def _deliver(self, seq: Sequence, logits, greedy: int, seconds: float, prefill_calls: int = 0) -> None:
         """Choose ``seq``'s token from its logits, hand the step to it, and end it if it is done."""

@@ -105,6 +105,7 @@ def concurrency_prompt(shape: BuildShape, settings: ThroughputConfig, filler: li
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (what NxDI's benchmark report uses via numpy's default, within a sample)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 

@@ -34,7 +34,7 @@ from pipeline.core.fsutil import reporting_full_disk, sha256_file, temp_dir_besi
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
-from pipeline.validation.batch import measure_concurrency, together
+from pipeline.validation.batch import measure_concurrency, percentile, together
 from pipeline.validation.generation import Generation, Generator
 from pipeline.validation.parity import judge_logits, logit_errors, logits_of
 from pipeline.validation.records import (
@@ -103,12 +103,6 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
         if a != b:
             return i
     return None if len(ours) == len(reference) else min(len(ours), len(reference))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (what NxDI's benchmark report uses via numpy's default, within a sample)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def latency_report(step_s: list[float]) -> dict:
