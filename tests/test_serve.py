@@ -940,7 +940,7 @@ def test_a_client_that_leaves_frees_its_lines_for_the_sequences_waiting(batched_
     two choices wait); the first leaves, and its lines go to the second's waiting choices; the second leaves, and
     every line is free again."""
     srv = batched_server
-    body = {"model": srv.version, "prompt": "The sea", "max_tokens": 400, "n": 3, "stream": True}
+    body = {"model": srv.version, "prompt": "The sea", "max_tokens": 480, "n": 3, "stream": True}
     leaving = HTTPConnection("127.0.0.1", srv.port, timeout=60)
     leaving.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     assert leaving.getresponse().status == 200
@@ -952,11 +952,14 @@ def test_a_client_that_leaves_frees_its_lines_for_the_sequences_waiting(batched_
     while metric(srv, "serve_batch_slots_in_use ") < 4 and time.monotonic() < deadline:
         response.readline()  # the second client's choices take the lines the first left free (one of its three waits)
     assert metric(srv, "serve_batch_slots_in_use ") == 4
-    leaving.close()  # its three choices end; the staying client's third takes a line
+    generated = metric(srv, "serve_tokens_generated_total ")
+    leaving.close()  # its three choices end before their next token; the staying client's other two take two lines
     deadline = time.monotonic() + 30
     while metric(srv, "serve_batch_slots_in_use ") != 3 and time.monotonic() < deadline:
         response.readline()
     assert metric(srv, "serve_batch_slots_in_use ") == 3
+    # a few steps of at most four sequences, not the hundreds of tokens the three left had to go
+    assert metric(srv, "serve_tokens_generated_total ") - generated < 100
     staying.close()
     deadline = time.monotonic() + 30
     while metric(srv, "serve_batch_slots_in_use ") != 0 and time.monotonic() < deadline:
