@@ -41,7 +41,8 @@ LAYOUTS = (  # (what, the variant built, its overrides)
     ("device prefill at batch 4", "512_fp32", ("variant.batch_size=4",)),
     ("host prefill at batch 4", "256_bf16_host", ("variant.batch_size=4",)),
 )
-QUICK_VALIDATION = ["validate.prompt_names=[capital,near_64,spans_64]", "validate.throughput.contexts=[short]",
+QUICK_VALIDATION = ["validate.prompt_names=[capital,near_64,spans_64]", "validate.max_new_tokens=16",
+                    "validate.throughput.contexts=[short]",
                     "validate.throughput.runs=1", "validate.throughput.warmup_runs=0",
                     "validate.throughput.decode_tokens=8", "validate.warmup_prompts=0"]
 
