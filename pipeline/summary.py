@@ -37,6 +37,8 @@ class JobOutcome(Record):
     parity: bool | None = None
     tokens_per_s: float | None = None
     ttft_ms: float | None = None
+    batch_tokens_per_s: float | None = None
+    """Every sequence's tokens/s together with the batch's lines all in flight."""
     version: str | None = None
     published: str | None = None
     """``<repo> @ <commit>`` of the version's publish."""
@@ -54,8 +56,10 @@ def outcome(cfg, error: str | None) -> JobOutcome:
     paths = Paths.of(cfg)
     report = ValidationRecord.read_if_valid(paths.validation_report)
     if report is not None:
+        full = report.concurrency.get(str(cfg.variant.batch_size))
         row = replace(row, parity=report.parity.passed, tokens_per_s=report.throughput.tokens_per_s,
-                      ttft_ms=report.throughput.ttft_ms, version=report.version)
+                      ttft_ms=report.throughput.ttft_ms, version=report.version,
+                      batch_tokens_per_s=full.aggregate_tokens_per_s if full else None)
     receipt = PublishReceipt.read_if_valid(paths.receipt)
     if receipt is not None:
         row = replace(row, version=receipt.version, published=f"{receipt.repo} @ {receipt.commit[:12]}")
@@ -77,12 +81,13 @@ def table(rows: list[JobOutcome]) -> str:
     def cell(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)
 
-    lines = [f"  {'variant':<22} {'result':<7} {'parity':<7} {'tok/s':>7} {'TTFT ms':>8}  {'version':<44} published"]
+    lines = [f"  {'variant':<22} {'result':<7} {'parity':<7} {'tok/s':>7} {'batch':>7} {'TTFT ms':>8}  {'version':<44} "
+             "published"]
     for row in rows:
         parity = "-" if row.parity is None else ("pass" if row.parity else "FAIL")
         lines.append(f"  {cell(row.variant):<22} {'ok' if row.ok else 'FAILED':<7} {parity:<7} "
-                     f"{cell(row.tokens_per_s, '{:.1f}'):>7} {cell(row.ttft_ms, '{:.0f}'):>8}  "
-                     f"{cell(row.version):<44} {cell(row.published)}")
+                     f"{cell(row.tokens_per_s, '{:.1f}'):>7} {cell(row.batch_tokens_per_s, '{:.1f}'):>7} "
+                     f"{cell(row.ttft_ms, '{:.0f}'):>8}  {cell(row.version):<44} {cell(row.published)}")
     return "\n".join(lines)
 
 
