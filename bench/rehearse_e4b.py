@@ -57,15 +57,16 @@ class Step:
 
 
 def role(proc: psutil.Process) -> str:
-    try:
-        cmd = " ".join(proc.cmdline())
+    try:  # once: a process can end between two reads of its command line
+        argv = proc.cmdline()
     except psutil.Error:
         return "gone"
+    cmd = " ".join(argv)
     if "pipeline.validation.worker" in cmd:
         return "validation worker"
     if "multiprocessing" in cmd:
         return "rank"
-    if "-c" in proc.cmdline()[:3] and "git" not in cmd:
+    if "-c" in argv[:3] and "git" not in cmd:
         return "helper"
     if cmd.startswith(("git", "/usr/bin/git", "zstd", "tar")):
         return "tool"

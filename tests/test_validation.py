@@ -8,6 +8,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -445,6 +447,23 @@ def test_the_reference_record_is_read_strictly_and_writes_the_same_bytes(project
     again = ReferenceRecord.read(edited)  # the same reference again: nothing it depends on changed
     assert again.fingerprint == written["fingerprint"] and [p.output_ids for p in again.prompts] == [
         tuple(p["output_ids"]) for p in written["prompts"]]
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no bf16 instructions: its bf16 matmuls are torch's own on every setting")
+def test_the_bf16_noise_a_reference_holds_is_the_same_on_a_cpu_without_bf16_instructions(project, tmp_path):
+    """A reference made here judges bf16 builds validated elsewhere (a DVC remote): its dtype noise must not depend
+    on whether this CPU has bf16 instructions. ONEDNN_MAX_CPU_ISA=AVX2 makes this CPU compute as an AVX2-only one."""
+    root = clone_variant(project, tmp_path)
+    (root / "gemma4_tiny" / "reference.json").unlink()
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "stage=reference", "backend=cpu", f"artifacts_dir={root}",
+                           *FAST_VALIDATE], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    noise = {p["name"]: p["dtype_noise"] for p in read_json(root / "gemma4_tiny" / "reference.json")["prompts"]}
+    here = {p["name"]: p["dtype_noise"] for p in read_json(project / "gemma4_tiny" / "reference.json")["prompts"]}
+    assert noise == here
 
 
 def test_a_stale_reference_is_named(project, tmp_path):

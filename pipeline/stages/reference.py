@@ -127,10 +127,17 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts
 
 
 def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> DtypeNoise:
-    """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32."""
+    """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32.
+
+    Measured with oneDNN off, so the figure is the same on every x86 CPU. On a CPU with bf16 instructions
+    (avx512_bf16, AMX) torch sends bf16 matmuls to oneDNN, whose rounding differs from torch's own kernels, the ones
+    an AVX2-only CPU runs. Seen on the tiny model's spans_64 prompt: transformers' top-5 error 0.0301 through oneDNN,
+    0.0428 through torch's kernels, while a bf16 build's moved the other way (0.034 -> 0.050), so the same build
+    passed on one CPU and failed on the other. The reference is made once and judges builds on other machines (a DVC
+    remote): it must not hold one CPU's rounding."""
     from pipeline.validation.parity import logit_errors
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
         out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits
     ours = out[0, len(prompt_ids) - 1:].float()
     errors = logit_errors(ours, reference, continuation)
