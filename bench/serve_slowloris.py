@@ -10,6 +10,8 @@ Builds the tiny model's 512_fp32 (bench/serve.py's ``build``), starts ``python -
             meanwhile ``/health`` probed every 50 ms from a process of its own (a probe that gets no answer in 5 s,
             or whose connection is refused or closed, counts as failed); the server's open file descriptors at
             their peak; the lines its log gained (besides one access line per answered request).
+            ``--body`` trickles bodies instead: each connection sends a whole request's headers (a POST to
+            ``/v1/completions`` declaring a 1000-byte body) at once, then one byte of body a second.
 
 Printed as ratios against the baseline. Goals: every probe answered, the worst within 100 ms; the log a few lines.
 ``--repo`` serves with another checkout's pipeline (an earlier commit, for a before/after). ``--variant 512_fp32+bs4
@@ -18,6 +20,7 @@ Printed as ratios against the baseline. Goals: every probe answered, the worst w
 
     python bench/serve_slowloris.py [--connections 1100] [--seconds 25] [--repo /path/to/checkout]
     python bench/serve_slowloris.py --variant 512_fp32+bs4 --busy 4
+    python bench/serve_slowloris.py --body --connections 300
 """
 
 from __future__ import annotations
@@ -57,8 +60,14 @@ def probe(port: int, seconds: float) -> None:
     print(json.dumps(out))
 
 
-def attack(port: int, connections: int, seconds: float) -> dict:
-    """Hold ``connections`` slowloris connections for ``seconds``; how many were opened and closed by the server."""
+BODY_HEADERS = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n")
+
+
+def attack(port: int, connections: int, seconds: float, body: bool = False) -> dict:
+    """Hold ``connections`` slowloris connections for ``seconds``; how many were opened and closed by the server.
+    ``body``: each sends whole headers and then trickles its body, a byte a second."""
+    opening, trickle = (BODY_HEADERS, b" ") if body else (b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-a: b\r\n")
     sel = selectors.DefaultSelector()
     opened = closed = 0
 
@@ -66,7 +75,7 @@ def attack(port: int, connections: int, seconds: float) -> dict:
         nonlocal opened
         try:
             sock = socket.create_connection(("127.0.0.1", port), timeout=1)
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            sock.sendall(opening)
             sock.setblocking(False)
             sel.register(sock, selectors.EVENT_READ)
             opened += 1
@@ -84,7 +93,7 @@ def attack(port: int, connections: int, seconds: float) -> dict:
         if time.monotonic() >= next_trickle:  # once a second, as slowloris does: a header line on each, and
             for key in list(sel.get_map().values()):  # the connections the server closed opened again
                 try:
-                    key.fileobj.send(b"X-a: b\r\n")
+                    key.fileobj.send(trickle)
                 except OSError:
                     sel.unregister(key.fileobj)
                     key.fileobj.close()
@@ -129,6 +138,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose pipeline serves")
     parser.add_argument("--variant", default="512_fp32", help="the build served (512_fp32+bs4: four at once)")
     parser.add_argument("--busy", type=int, default=0, help="clients streaming completions the whole time")
+    parser.add_argument("--body", action="store_true", help="trickle request bodies, not headers")
     args = parser.parse_args()
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < args.connections + 64:
@@ -159,7 +169,7 @@ def main() -> None:
             peak_fds = open_fds(proc.pid)
             outcome: dict = {}
             attacker = threading.Thread(target=lambda: outcome.update(attack(port, args.connections,
-                                                                             args.seconds)))
+                                                                             args.seconds, args.body)))
             attacker.start()
             while attacker.is_alive():
                 peak_fds = max(peak_fds, open_fds(proc.pid))
@@ -177,7 +187,8 @@ def main() -> None:
         elapsed = time.monotonic() - started
 
     answered = [ms for ms in probes if ms is not None]
-    print(f"{args.connections} slowloris connections for {args.seconds:g} s against serve of {args.variant} with "
+    kind = "body-trickling" if args.body else "slowloris"
+    print(f"{args.connections} {kind} connections for {args.seconds:g} s against serve of {args.variant} with "
           f"ulimit -n {NOFILE} ({args.repo}); attack ran {elapsed:.0f} s: {outcome}")
     if args.busy:
         print(f"  {args.busy} clients streamed the whole time (baseline and attack): {sum(streamed)} tokens")

@@ -212,6 +212,36 @@ def test_a_request_of_many_sequences_cannot_keep_another_from_its_first_line():
     assert started == [bigs[0], late, bigs[1]]
 
 
+def admissions(scheduler: Scheduler, count: int) -> list[Sequence]:
+    """The first ``count`` sequences to take a line, each ending as soon as it has one (one line: batch 1)."""
+    started = []
+    while len(started) < count:
+        action = scheduler.next()
+        assert isinstance(action, Prefill)
+        started.append(action.sequence)
+        scheduler.remove(action.sequence)
+    return started
+
+
+def test_requests_waiting_side_by_side_take_lines_in_turn_at_batch_1():
+    """At batch 1 no request holds a line when one frees: the turn goes to the request given the fewest lines, so a
+    request of many sequences queued ahead (16 prompts x n=16 in serve) does not make a later one wait for all of
+    them; and a newcomer starts level with those there, neither first in line for ever nor starving the big one."""
+    big, small, later = object(), object(), object()
+    scheduler = Scheduler(1)
+    bigs = [seq(big) for _ in range(8)]
+    for s in bigs:
+        scheduler.add(s)
+    smalls = [seq(small) for _ in range(2)]
+    for s in smalls:
+        scheduler.add(s)
+    assert admissions(scheduler, 4) == [bigs[0], smalls[0], bigs[1], smalls[1]]
+    newcomer = [seq(later) for _ in range(2)]
+    for s in newcomer:
+        scheduler.add(s)  # big has been given 2 lines: the newcomer starts at 2, not 0
+    assert admissions(scheduler, 4) == [bigs[2], newcomer[0], bigs[3], newcomer[1]]
+
+
 def test_a_sequences_own_error_ends_it_alone_and_the_ranks_failing_ends_every_one():
     class Runner:
         lines = 2

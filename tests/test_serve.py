@@ -210,6 +210,8 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
      "'json_object' is not supported"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"x": 5}}, 400, "logit_bias",
      "'x' is not a token id"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias",
+     "'\u00b2' is not a token id"),  # str.isdigit() takes a superscript two; int() does not
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"3": 101}}, 400, "logit_bias",
      "between -100 and 100"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids",
@@ -347,6 +349,46 @@ def test_slow_clients_cannot_hold_the_server(published, tmp_path):
         assert srv.stop() == 0
     said = srv.log.read_text()
     assert "Too many open files" not in said and "at most 96 connections" in said, said[-3000:]
+
+
+def test_clients_trickling_bodies_cannot_hold_the_server(published, tmp_path):
+    """Every place but one held by connections that sent a POST's headers and then trickle its body: /health is
+    answered (the oldest trickler is closed for it: a body still arriving is no request in progress), a decoding
+    request's connection is never the one closed, and a closed trickler is no traceback in the log. Before, a trickler
+    counted as busy: 300 held /health off (bench/serve_slowloris.py --body)."""
+    srv = Server(published, tmp_path, "--max-connections", "8")
+    tricklers: list[socket.socket] = []
+    try:
+        srv.wait_ready()
+        body = json.dumps({"model": srv.version, "prompt": QUESTION, "max_tokens": 60, "stream": True})
+        decoding = HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        decoding.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = decoding.getresponse()
+        assert response.status == 200
+        for _ in range(7):
+            tricklers.append(raw_request(srv.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                                   "application/json\r\nContent-Length: 1000\r\n\r\n{"))
+        time.sleep(0.5)
+        for _ in range(3):
+            for sock in tricklers:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b" ")
+            assert request(f"{srv.url}/health", timeout=10).status == 200
+        streamed = response.read().decode()
+        assert streamed.rstrip().endswith("data: [DONE]")  # its connection was kept
+        closed = 0
+        for sock in tricklers:
+            sock.settimeout(5)
+            try:
+                closed += sock.recv(1) == b""
+            except (TimeoutError, ConnectionResetError):
+                closed += isinstance(sys.exc_info()[1], ConnectionResetError)
+        assert closed >= 1
+    finally:
+        for sock in tricklers:
+            sock.close()
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.log.read_text()
 
 
 def test_a_repeated_log_line_is_written_once_per_ten_seconds_with_a_count(monkeypatch):
@@ -605,6 +647,9 @@ def test_vllms_sampling_fields_through_the_openai_client(server, client):
     assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
     repeated = client.completions.create(**asked, extra_body={"repetition_penalty": 1.3})
     assert repeated.choices[0].finish_reason in ("length", "stop")
+    # In range (above 0), and a prompt token's positive logit divided by it overflows: a 200, never nan's 500
+    tiny = client.completions.create(**asked, temperature=1, seed=5, extra_body={"repetition_penalty": 1e-300})
+    assert tiny.choices[0].finish_reason in ("length", "stop")
 
 
 def test_top_k_min_p_repetition_and_logit_bias_on_the_logits():
@@ -621,6 +666,9 @@ def test_top_k_min_p_repetition_and_logit_bias_on_the_logits():
     assert Sampler(SamplingParams(repetition_penalty=2.0)).choose(logits) == 1  # nothing seen yet
     negative = Sampler(SamplingParams(repetition_penalty=2.0, logit_bias=((3, 2.5),)), prompt_ids=[3])
     assert negative.choose(logits) == 1  # -1.0 + 2.5 = 1.5, halved (positive): 0.75
+    # A penalty tending to 0 sends a seen token's positive logit to inf: that token takes all the probability
+    overflow = Sampler(SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=1), prompt_ids=[2])
+    assert [overflow.choose(logits) for _ in range(5)] == [2] * 5
 
 
 def test_health_and_metrics(server):
@@ -767,6 +815,28 @@ def test_sigterm_finishes_the_running_request_and_refuses_the_waiting_one(publis
     assert answers["waiting"].status == 503 and "shutting down" in answers["waiting"].json()["error"]["message"]
     with pytest.raises(ConnectionRefusedError):
         HTTPConnection("127.0.0.1", srv.port, timeout=5).request("GET", "/health")
+
+
+def test_sigterm_closes_a_stream_its_client_stopped_reading_after_the_grace(published, tmp_path):
+    """A client that stops reading a long stream kept a SIGTERM'd server up forever (no graceful-shutdown bound):
+    past --shutdown-grace its request is cancelled and the server exits 0."""
+    srv = Server(published, tmp_path, "--shutdown-grace", "2")
+    srv.wait_ready()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", srv.port))
+    body = json.dumps({"model": srv.version, "prompt": QUESTION, "max_tokens": 480, "n": 16, "stream": True}).encode()
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(2.0)  # decoding, its answer unread
+    srv.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    try:
+        assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()
+    finally:
+        stalled.close()
+    assert time.monotonic() - started < 30  # the grace (2 s), then the decode thread's last step and the ranks' exit
+    assert "Traceback" not in srv.log.read_text()
 
 
 def test_start_up_refusals(published, tmp_path):

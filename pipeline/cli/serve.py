@@ -20,7 +20,9 @@ seconds.
 A request body larger than ``--max-request-bytes`` (default 1 MiB) gets 413 before it is read, one slower than
 ``--body-timeout`` 408; at most ``--max-connections`` are open at once (past it the oldest idle one is closed), and
 one whose headers take longer than ``--header-timeout`` is closed (pipeline/serving/connections.py). SIGTERM or
-Ctrl-C: the requests decoding finish, the waiting ones and any new one get 503, and the command exits 0.
+Ctrl-C: the requests decoding finish, the waiting ones and any new one get 503, and the command exits 0; a request
+still running ``--shutdown-grace`` seconds later (a long answer, or a client that stopped reading its stream) is
+cancelled and its connection closed.
 
     python -m pipeline serve your-org/gemma-4-E4B-it-inferentia2 2048_bf16 --checkpoint /data/gemma-4-E4B-it \\
         --dest /workspace --public-key signing-key.pub.pem --port 8000
@@ -52,6 +54,8 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a prompt that fills a 2048-token cache is
 DEFAULT_MAX_CONNECTIONS = 256  # batch_size decode and --queue-size wait: the rest are health probes and idlers
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a client sends its headers in one write; 10 s is ample on any network
 DEFAULT_BODY_TIMEOUT_S = 30.0  # 1 MiB (--max-request-bytes) at 35 KB/s
+# Under Kubernetes' default terminationGracePeriodSeconds (30), after which the pod is killed with no clean exit.
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
 
 
 def take_port(host: str, port: int):
@@ -109,7 +113,7 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
     alive)."""
     import uvicorn
 
-    from pipeline.serving.connections import OncePer, bounded_protocol
+    from pipeline.serving.connections import CancelledQuietly, OncePer, bounded_protocol
     from pipeline.serving.routes import create_app
 
     failed = threading.Event()
@@ -126,7 +130,11 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
     protocol = bounded_protocol(sock, limits.max_connections, limits.header_timeout_s)
     for name in ("asyncio", "uvicorn.error"):  # a refused accept or a broken client is logged once per 10 s, not each
         logging.getLogger(name).addFilter(OncePer())
-    config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=None, http=protocol)
+    logging.getLogger("uvicorn.error").addFilter(CancelledQuietly())
+    # Past the grace uvicorn cancels the requests' tasks: each cancels its sequences (service.py), and the server
+    # exits. Without one it waited forever for a client that stopped reading its stream.
+    config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=limits.shutdown_grace_s,
+                            http=protocol)
     server = Server(config)
     server.loop = None
 
@@ -189,6 +197,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                         help=f"seconds a request's body may take to arrive; past it: 408 (default "
                              f"{DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="seconds the running requests may take to finish after SIGTERM; past it they are "
+                             f"cancelled and the server exits (default {DEFAULT_SHUTDOWN_GRACE_S:g}, under "
+                             "Kubernetes' 30 s kill)")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     add_decode_threads(parser)
     return parser
@@ -201,10 +213,12 @@ def main(argv: list[str]) -> int:
         if args.queue_size < 0 or args.queue_timeout <= 0:
             raise InputError(f"--queue-size {args.queue_size} --queue-timeout {args.queue_timeout}: the queue size "
                              "is 0 or more and the timeout more than 0 seconds")
-        if args.max_connections < 8 or args.header_timeout_s <= 0 or args.body_timeout <= 0:
+        if args.max_connections < 8 or not all(t > 0 for t in (args.header_timeout_s, args.body_timeout,
+                                                            args.shutdown_grace_s)):  # nan too
             raise InputError(f"--max-connections {args.max_connections} --header-timeout {args.header_timeout_s:g} "
-                             f"--body-timeout {args.body_timeout:g}: allow at least 8 connections (health probes "
-                             "and the queue need room) and timeouts of more than 0 seconds")
+                             f"--body-timeout {args.body_timeout:g} --shutdown-grace {args.shutdown_grace_s:g}: allow "
+                             "at least 8 connections (health probes and the queue need room) and times of more than "
+                             "0 seconds")
         if args.max_request_bytes < 1024:
             raise InputError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024 (a chat request's "
                              "JSON alone is a few hundred bytes)")

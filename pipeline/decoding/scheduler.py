@@ -10,8 +10,12 @@ A build decodes ``lines`` sequences at once (its ``batch_size``; its KV caches h
 The rules:
 
 1. **Admission**: a waiting sequence takes a free line when no other sequence is prefilling. Among the waiting, the
-   one whose group (a request) holds the fewest lines goes first, then the earliest: a request of many sequences
-   (``n`` choices, a list of prompts) cannot keep another from its first line.
+   one whose group (a request) holds the fewest lines goes first, then the one whose group has been given the fewest
+   lines, then the earliest: a request of many sequences (``n`` choices, a list of prompts) cannot keep another from
+   its first line, and requests waiting side by side take lines in turn. A group's count of lines given starts, when
+   it arrives, at the least of the groups already there (start-time fair queuing), so a request of 256 sequences
+   neither starves a newcomer nor is starved by a stream of them. (Before, at batch 1, a newcomer waited for every
+   sequence of a request of 16 prompts x n=16 queued ahead of it.)
 2. **Interleaving**: between two decode steps, at most one prefill call. A long prompt is prefilled a bucket at a
    time with the others' decode steps in between, so a running sequence waits at most one prefill call (one bucket,
    or one host prefill) for its next token; with nothing decoding, prefill calls run back to back.
@@ -45,6 +49,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self._prefilled_last = False
         self._used: set[int] = set()  # lines a sequence has held
+        self._given: dict[int, int] = {}  # lines given to each group present (by id), fair-queuing counts
 
     def add(self, sequence: Sequence) -> None:
         sequence.status = Status.waiting
@@ -86,7 +91,9 @@ class Scheduler:
         held: dict[int, int] = {}
         for s in self.held:
             held[id(s.group)] = held.get(id(s.group), 0) + 1
-        chosen = min(self.waiting, key=lambda s: held.get(id(s.group), 0))  # min keeps the earliest of equals
+        given = self._given_counts()
+        chosen = min(self.waiting, key=lambda s: (held.get(id(s.group), 0), given[id(s.group)]))  # earliest of equals
+        given[id(chosen.group)] += 1
         self.waiting.remove(chosen)
         line = self.lines.index(None)
         decoding = sum(s.status == Status.decoding for s in self.held)
@@ -95,3 +102,13 @@ class Scheduler:
         self.lines[line] = chosen
         self._used.add(line)
         return chosen
+
+    def _given_counts(self) -> dict[int, int]:
+        """Lines given per group present: groups gone are forgotten (an id may be reused), a newcomer starts at the
+        least count of those present."""
+        present = {id(s.group) for s in self.waiting} | {id(s.group) for s in self.held}
+        self._given = {g: n for g, n in self._given.items() if g in present}
+        start = min(self._given.values(), default=0)
+        for g in present:
+            self._given.setdefault(g, start)
+        return self._given

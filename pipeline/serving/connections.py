@@ -5,10 +5,12 @@ how many are open: 1,100 connections sending a header byte a second exhausted ``
 went unanswered for the whole attack while asyncio logged "Too many open files" for every refused accept. Here:
 
 - at most ``max_connections`` are open. A new one past the bound closes the oldest connection that has no request
-  in progress (idle between requests, or still sending its headers), so that a client that sends its request at
-  once, ``/health`` among them, gets in; when every connection has a request in progress, the new one is closed at
-  once. A new connection is closed as it is accepted when it would leave fewer than ``FD_RESERVE`` descriptors
-  (``Listener``);
+  in progress (idle between requests, still sending its headers, or still sending its body), so that a client that
+  sends its request at once, ``/health`` among them, gets in; when every connection has a request in progress, the
+  new one is closed at once. A body still arriving counts as no request in progress: 300 connections that sent their
+  headers and then a byte of body a second held every place, and ``/health`` answered 1 probe of 483
+  (bench/serve_slowloris.py --body). A new connection is closed as it is accepted when it would leave fewer than
+  ``FD_RESERVE`` descriptors (``Listener``);
 - a request's headers must arrive within ``header_timeout_s`` of its first byte (of the connection, for the first
   request): past it the connection is closed. (A request body has its own bound, api.BODY_TIMEOUT_S.)
 - the same log line is written at most once per ``QUIET_S`` (``OncePer``), with a count of those left out.
@@ -22,6 +24,7 @@ import resource
 import socket
 import time
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pipeline.core.log import log
@@ -104,17 +107,23 @@ class BoundedH11(H11Protocol):
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self.busy and self.header_deadline is None:
+        if not self.in_request and self.header_deadline is None:
             self._await_headers()  # the first bytes of a next request on a kept-alive connection
         super().data_received(data)
-        if self.busy:
+        if self.in_request:
             self._stop_waiting()
 
     @property
-    def busy(self) -> bool:
-        """Whether a request is in progress: its headers have arrived and its answer is not complete."""
+    def in_request(self) -> bool:
+        """Whether a request's headers have arrived and its answer is not complete."""
         cycle = getattr(self, "cycle", None)
         return cycle is not None and not cycle.response_complete
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in progress, which keeps its connection from being closed for a new one: in a
+        request whose body has arrived whole (h11 is past SEND_BODY; the body's own bound is --body-timeout)."""
+        return self.in_request and self.conn.their_state is not h11.SEND_BODY
 
     def drop(self) -> None:
         self.connections_bound.open.pop(self, None)  # counted out now: its connection_lost comes a loop turn later
@@ -133,7 +142,7 @@ class BoundedH11(H11Protocol):
 
     def _headers_late(self) -> None:
         self.header_deadline = None
-        if not self.busy and getattr(self, "cycle", None) is self.waiting_since:  # no request began meanwhile
+        if not self.in_request and getattr(self, "cycle", None) is self.waiting_since:  # no request began meanwhile
             self.connections_bound.timed_out += 1
             self.drop()
 
@@ -174,3 +183,15 @@ class OncePer(logging.Filter):
             record.msg = f"{record.msg} ({left_out} more like it in the last {now - passed:.0f} s left out)"
         self.last[key] = (now, 0)
         return True
+
+
+class CancelledQuietly(logging.Filter):
+    """uvicorn logs the request it cancels past ``timeout_graceful_shutdown`` (serve --shutdown-grace) as "Exception
+    in ASGI application" with the CancelledError's traceback: an expected end, said in one line here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            record.msg, record.args, record.exc_info = (
+                "serve: a request still running at the end of --shutdown-grace was cancelled", (), None)
+        return True
+

@@ -85,7 +85,7 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(scores))
         else:
-            probs = torch.softmax(scores / p.temperature, dim=-1)
+            probs = torch.softmax(finite(scores / p.temperature), dim=-1)
             if 0 < p.top_k < probs.numel():
                 probs = top_k(probs, p.top_k)
             if p.min_p > 0:
@@ -115,6 +115,15 @@ class Sampler:
             counts = torch.tensor([self.counts[t] for t in self.counts], dtype=scores.dtype)
             scores[tokens] -= p.frequency_penalty * counts + p.presence_penalty
         return scores
+
+
+def finite(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` with an overflow to +-inf held at the largest finite value: the limit of what was asked. A
+    repetition_penalty of 1e-300 (in range: vLLM takes any above 0) divides a positive logit to inf, whose softmax is
+    nan; held finite, the tokens it favours take all the probability between them, as a penalty tending to 0 would
+    give."""
+    limit = torch.finfo(scores.dtype).max
+    return scores.clamp(-limit, limit)
 
 
 def top_k(probs: torch.Tensor, k: int) -> torch.Tensor:

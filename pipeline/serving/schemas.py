@@ -13,6 +13,7 @@ from typing import Literal, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pipeline.core import jsonio
 from pipeline.serving.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
@@ -69,7 +70,8 @@ class Sampling(Body):
         """``logit_bias`` as (token id, bias): OpenAI's keys are token ids as strings, its values -100 to 100."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            # ASCII digits only: str.isdigit() also takes '²' and '٣', which int() refuses or reads as another id
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
                 raise Refused(400, f"logit_bias key {key!r} is not a token id of this model (0 to {vocab_size - 1})",
                               "logit_bias")
             if not -100 <= bias <= 100:
@@ -199,6 +201,8 @@ async def parse(request: Request, model: type[BodyT], max_bytes: int, timeout_s:
     except asyncio.TimeoutError:
         raise Refused(408, f"the request body took more than {timeout_s:g} s to arrive (serve --body-timeout)",
                       code="request_timeout") from None
+    except ClientDisconnect:  # closed mid-body (or evicted: connections.py): nobody reads the answer, no traceback
+        raise Refused(400, "the client closed its connection before its request body arrived") from None
     try:
         data = jsonio.loads(b"".join(chunks))
     except jsonio.JSONRefused as exc:
