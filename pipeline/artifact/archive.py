@@ -9,12 +9,12 @@ header time is 0). The same rank files always give the same archive bytes.
 
 Extraction trusts nothing: the archive's sha256 must match the manifest before it is opened; the decompressed stream
 may not run past what the manifest's members account for, nor hold an extended (PAX, GNU long-name) header past 16
-KiB; only the exact expected members (``<root>/`` and ``<root>/<member>`` regular files) are accepted, each no larger
-than the manifest says; their
-data is written by this module (never ``tarfile.extract``) into a fresh temporary directory and hashed; only a
-complete, verified directory is renamed into place. Links, devices, absolute or ``..`` names, duplicates and extra
-members are refused, and the destination is left untouched. The result is a ``VerifiedBuild``: the only thing a
-backend will load.
+KiB or more than four of them in a row, nor a zstd frame asking for a window past 32 MiB; what cannot be decompressed
+is refused naming the archive; only the exact expected members (``<root>/`` and ``<root>/<member>`` regular files) are
+accepted, each no larger than the manifest says; their data is written by this module (never ``tarfile.extract``)
+into a fresh temporary directory and hashed; only a complete, verified directory is renamed into place. Links,
+devices, absolute or ``..`` names, duplicates and extra members are refused, and the destination is left untouched.
+The result is a ``VerifiedBuild``: the only thing a backend will load.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ ZSTD_LEVEL = 3
 MAX_EXTENDED_HEADER = 16 << 10
 EXTENDED_TYPES = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
                             tarfile.GNUTYPE_LONGLINK})
+# The most extended headers taken in a row before a member. tarfile reads the header after an extended one by calling
+# itself, so a chain of 600 ends in a RecursionError. Ours write at most one (a PAX record before a long name); other
+# writers two (GNU: a long link, then a long name; PAX: a global record, then the member's).
+MAX_EXTENDED_IN_A_ROW = 4
+# The largest zstd window taken. Decompression holds one window in memory, and a frame header can ask for 2 GiB (or
+# more) in a few bytes. pack writes 2 MiB windows (level 3); 32 MiB takes any level up to 20. libzstd refuses a frame
+# over this bound before it allocates anything for it.
+MAX_ZSTD_WINDOW = 32 << 20
 
 
 # -- packing ------------------------------------------------------------------------------------------------------
@@ -246,16 +254,31 @@ def _member_name(info: tarfile.TarInfo, root: str, allowed: dict[str, Member]) -
 class _BoundedTarInfo(tarfile.TarInfo):
     """A header as tarfile reads it (``TarInfo.frombuf``, for every header block, the extended ones included), refused
     before tarfile reads the record it announces when that is an extended header larger than
-    ``MAX_EXTENDED_HEADER`` or a sparse file (which our archives never hold)."""
+    ``MAX_EXTENDED_HEADER`` or a sparse file (which our archives never hold); and a chain of more than
+    ``MAX_EXTENDED_IN_A_ROW`` extended headers, refused before tarfile recurses into the next."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        # tarfile calls this for a member's header and again, from within, for the header after each extended one:
+        # how deeply the calls nest is how many extended headers came in a row. Counted on the TarFile being read.
+        depth = getattr(tar, "extended_in_a_row", -1) + 1
+        if depth > MAX_EXTENDED_IN_A_ROW:
+            raise IntegrityError(f"more than {MAX_EXTENDED_IN_A_ROW} extended headers in a row (PAX or GNU "
+                                 "long-name records) before a member")
+        tar.extended_in_a_row = depth
+        try:
+            return super().fromtarfile(tar)
+        finally:
+            tar.extended_in_a_row = depth - 1
 
     @classmethod
     def frombuf(cls, buf, encoding, errors):
         info = super().frombuf(buf, encoding, errors)
         if info.type in EXTENDED_TYPES and info.size > MAX_EXTENDED_HEADER:
-            raise IntegrityError(f"the archive has an extended header of {info.size} bytes (at most "
-                                 f"{MAX_EXTENDED_HEADER} are taken): refusing it")
+            raise IntegrityError(f"an extended header of {info.size} bytes (at most {MAX_EXTENDED_HEADER} are "
+                                 "taken)")
         if info.type == tarfile.GNUTYPE_SPARSE:
-            raise IntegrityError("the archive holds a sparse file: refusing it")
+            raise IntegrityError("a sparse file")
         return info
 
 
@@ -270,8 +293,8 @@ class _Bounded:
         data = self.stream.read(size)
         self.given += len(data)
         if self.given > self.limit:
-            raise IntegrityError(f"the archive decompresses to more than the {self.limit} bytes its manifest's "
-                                 "members account for: refusing it")
+            raise IntegrityError(f"it decompresses to more than the {self.limit} bytes its manifest's members "
+                                 "account for")
         return data
 
 
@@ -284,11 +307,29 @@ def tar_bytes_bound(members: list[Member]) -> int:
     return data + (len(members) + 1) * per_entry + 2 * BLOCK + RECORD
 
 
-def _decompressed(fmt: str, raw: BinaryIO):
-    if fmt == "tar.zst":
+class _Zstd:
+    """zstd's stream reader, bounded to ``MAX_ZSTD_WINDOW``, whose refusals (corrupt data, a checksum that does not
+    match, a window past the bound) are a ``ValueError``, as a corrupt gzip stream's are: the caller names the archive.
+    """
+
+    def __init__(self, raw: BinaryIO):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_size=READ_CHUNK, closefd=False)
+        self.error = zstandard.ZstdError
+        self.reader = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW) \
+            .stream_reader(raw, read_size=READ_CHUNK, closefd=False)
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self.reader.read(size)
+        except self.error as exc:
+            raise ValueError(f"its zstd data is corrupt or needs a window past {MAX_ZSTD_WINDOW >> 20} MiB ({exc})") \
+                from None
+
+
+def _decompressed(fmt: str, raw: BinaryIO):
+    if fmt == "tar.zst":
+        return _Zstd(raw)
     if fmt == "tar.gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if fmt == "tar":
@@ -322,6 +363,8 @@ def extract_verified(archive: Path, manifest: Manifest, dest: Path, staging: Pat
                             raise IntegrityError(f"archive member {info.name!r} appears twice")
                         seen.add(member)
                         _write_member(tar, info, tmp / member, allowed[member])
+        except IntegrityError as exc:  # what the checks above refused, named by the archive
+            raise IntegrityError(f"archive {archive} is refused: {exc}") from None
         except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError) as exc:
             if is_out_of_space(exc):  # the destination is full, not the archive broken: the caller says where
                 raise

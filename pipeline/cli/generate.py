@@ -5,7 +5,9 @@ Verifies the rank directory against its manifest (``RANK_DIR.manifest.json``, wr
 them, else by hashing them, as ``--verify-full`` always does), refuses a version this host cannot run (``pull``'s
 rule, pipeline/backends/compatibility.py), loads the ranks through the backend that built them, and greedy-decodes a
 chat prompt with the host-side embeddings (and, for host-prefill variants, the host prefill) taken from the original
-checkpoint. Prints the reply on standard output and the timing on standard error.
+checkpoint. Prints the reply on standard output and the timing on standard error. With ``--public-key`` the manifest
+must first verify with the signature beside it (``RANK_DIR.manifest.sig``, or ``../dist/manifest.sig``), as ``pull
+--offline`` checks it: an unsigned or edited one is refused before a byte is hashed.
 
     python -m pipeline generate /workspace/gemma4_e4b-512_bf16-ncc2.23.6484.0-1f0c9a7e \\
         --checkpoint /data/gemma-4-E4B-it --prompt "What is the capital of France?"
@@ -18,12 +20,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.artifact import signing
 from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
 from pipeline.cli import add_decode_threads, plain
 from pipeline.cli.pull import host_toolchain, judged
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.decoding.runner import DECODE_THREADS
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
@@ -45,14 +48,16 @@ class Generated:
 
 
 def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int | None,
-             text_prefix: str | None, verify_full: bool = False, decode_threads: int = DECODE_THREADS) -> Generated:
+             text_prefix: str | None, verify_full: bool = False, decode_threads: int = DECODE_THREADS,
+             public_key: str | None = None) -> Generated:
     from transformers import AutoTokenizer
 
     from pipeline.recipe.checkpoint import Checkpoint
     from pipeline.recipe.host import HostEmbeddings, HostPrefill
     from pipeline.recipe.spec import load_spec
 
-    manifest = Manifest.read(manifest_of(rank_dir))
+    manifest = (signing.verified_manifest(manifest_of(rank_dir), public_key) if public_key
+                else Manifest.read(manifest_of(rank_dir)))
     judged(manifest, host_toolchain())  # before any byte is hashed
     build, _ = reverified(rank_dir, manifest, verify_full)
     shape = manifest.shape
@@ -92,12 +97,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     parser.add_argument("--verify-full", action="store_true",
                         help="hash every rank file, even where pull's record vouches for them")
+    parser.add_argument("--public-key", help="PEM public key the signature beside the manifest must verify with")
     add_decode_threads(parser)
     args = parser.parse_args(argv)
     setup()
     with exit_on_error():
+        problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
+        if problem:
+            raise PipelineError(problem)
         result = generate(args.rank_dir.resolve(), args.checkpoint, args.prompt, args.max_new_tokens, args.text_prefix,
-                          args.verify_full, args.decode_threads)
+                          args.verify_full, args.decode_threads, args.public_key)
     print(result.text)
     if is_tiny(args.checkpoint):
         log.warning("generate: %s", MEANINGLESS)

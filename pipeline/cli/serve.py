@@ -7,7 +7,8 @@ version is pulled and verified exactly as ``pull`` does it (signature, archive a
 already in the cache is used with nothing downloaded, ``--offline`` without asking the source), and a pulled
 directory's rank files are checked against the manifest beside it again: by pull's record of them where they are
 unchanged since they were hashed and no other user could have changed them (pipeline/artifact/pulled.py), else, or with
-``--verify-full``, by hashing them. The port is
+``--verify-full``, by hashing them. With ``--public-key`` a directory's manifest must verify with the signature beside
+it first, as ``pull --offline`` checks it (an unsigned one is refused). The port is
 taken first, so a port in use is named before any work. The server then listens at once and loads the build in the
 background: ``GET /health`` answers 503 ``loading`` until the build is loaded and a warm-up token decoded, then 200
 ``ready``.
@@ -46,7 +47,7 @@ from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.cli import add_decode_threads, plain
 from pipeline.cli.pull import add_source_flags, host_toolchain, judged, pull, source_for
 from pipeline.core.cache import versions_dir
-from pipeline.core.errors import InputError, PipelineError
+from pipeline.core.errors import InputError, IntegrityError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
 
@@ -84,27 +85,29 @@ def is_rank_dir(source: str) -> bool:
     return path.is_dir() and not (path / ".git").exists()
 
 
-def obtain(args: argparse.Namespace) -> Path:
-    """The verified rank directory to serve."""
+def obtain(args: argparse.Namespace) -> tuple[Path, Manifest | None]:
+    """The verified rank directory to serve; for a directory given (not pulled here), also the manifest it was checked
+    with, which the engine must read the same (a manifest changed after its signature was checked is refused)."""
+    problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
+    if problem:
+        raise PipelineError(problem)
     if is_rank_dir(args.source):
         rank_dir = Path(args.source).resolve()
-        manifest = Manifest.read(manifest_of(rank_dir))
+        manifest = (signing.verified_manifest(manifest_of(rank_dir), args.public_key) if args.public_key
+                    else Manifest.read(manifest_of(rank_dir)))
         version = manifest.version
         judged(manifest, host_toolchain())  # it loads here: a version this host cannot run is refused first
         if args.version and args.version != version:
             raise InputError(f"{rank_dir} holds {version!r}, not {args.version!r}: leave VERSION out, or pull "
                              f"{args.version!r}")
-        return rank_dir  # its rank files are checked against the manifest again before loading (Engine.verify)
+        return rank_dir, manifest  # its rank files are checked against it again before loading (Engine.verify)
     if not args.version:
         raise InputError(f"{args.source} is a publish folder or a Hub repo: give the VERSION (or a variant's name) to "
                          "serve; a directory pull printed needs none")
-    problem = signing.key_problem(args.public_key, "public", "--public-key") if args.public_key else None
-    if problem:
-        raise PipelineError(problem)
     dest = (args.dest or versions_dir()).resolve()
     source = None if args.offline else source_for(args.source)
     return pull(source, args.version, dest, args.public_key, args.allow_unsigned, host_toolchain(), args.verify_full,
-                allow_older=args.allow_older, allow_expired=args.allow_expired)
+                allow_older=args.allow_older, allow_expired=args.allow_expired), None
 
 
 def run_server(service, sock, limits: argparse.Namespace) -> int:
@@ -227,8 +230,10 @@ def main(argv: list[str]) -> int:
 
         sock = take_port(args.host, args.port)
         try:
-            rank_dir = obtain(args)
+            rank_dir, checked = obtain(args)
             engine = Engine(rank_dir, args.checkpoint.resolve(), args.text_prefix, args.decode_threads)
+            if checked is not None and engine.manifest != checked:  # the engine reads the manifest file again
+                raise IntegrityError(f"{manifest_of(rank_dir)} changed after it was checked: refusing to serve it")
             how = engine.verify(args.verify_full and is_rank_dir(args.source))  # pull has just hashed the others
             log.info("serve: %s verified (rank files checked %s); listening on http://%s:%d while it loads",
                      engine.version, how, args.host, sock.getsockname()[1])

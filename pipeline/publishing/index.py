@@ -218,7 +218,7 @@ def verify(index: bytes, sig: bytes, public_key: str) -> None:
         (Path(tmp) / layout.INDEX).write_bytes(index)
         (Path(tmp) / signing.SIGNATURE).write_bytes(sig)
         try:
-            signing.verify(Path(tmp), layout.INDEX_SIGNATURE, public_key)
+            signing.verify(Path(tmp), layout.INDEX_SIGNATURE, public_key, named=layout.INDEX_SIGNATURE)
         except IntegrityError as exc:
             raise IntegrityError(f"{layout.INDEX}'s signature does not verify with the public key ({exc})") from None
 
