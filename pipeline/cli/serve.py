@@ -110,13 +110,23 @@ def obtain(args: argparse.Namespace) -> tuple[Path, Manifest | None]:
                 allow_older=args.allow_older, allow_expired=args.allow_expired), None
 
 
+def quiet_logs() -> None:
+    """A refused accept or a broken client logged once per 10 s, not each time; a request cancelled at the end of the
+    shutdown grace in one line, not a traceback."""
+    from pipeline.serving.connections import CancelledQuietly, OncePer
+
+    for name in ("asyncio", "uvicorn.error"):
+        logging.getLogger(name).addFilter(OncePer())
+    logging.getLogger("uvicorn.error").addFilter(CancelledQuietly())
+
+
 def run_server(service, sock, limits: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; the build loads in the decode thread meanwhile, which then runs the decode
     loop. 0, or 1 when the load failed (the server stops at once: a server that will never be ready must not look
     alive)."""
     import uvicorn
 
-    from pipeline.serving.connections import CancelledQuietly, OncePer, bounded_protocol
+    from pipeline.serving.connections import bounded_protocol
     from pipeline.serving.routes import create_app
 
     failed = threading.Event()
@@ -131,9 +141,7 @@ def run_server(service, sock, limits: argparse.Namespace) -> int:
             getattr(self, "_captured_signals", []).clear()
 
     protocol = bounded_protocol(sock, limits.max_connections, limits.header_timeout_s)
-    for name in ("asyncio", "uvicorn.error"):  # a refused accept or a broken client is logged once per 10 s, not each
-        logging.getLogger(name).addFilter(OncePer())
-    logging.getLogger("uvicorn.error").addFilter(CancelledQuietly())
+    quiet_logs()
     # Past the grace uvicorn cancels the requests' tasks: each cancels its sequences (service.py), and the server
     # exits. Without one it waited forever for a client that stopped reading its stream.
     config = uvicorn.Config(create_app(service), log_config=None, timeout_graceful_shutdown=limits.shutdown_grace_s,

@@ -8,20 +8,31 @@ is lower than the one it trusted (a rollback: an older index, validly signed, se
 (two indexes under one number); taking a version, it refuses one published before the newest it took of that variant,
 unless the user names that version (``--allow-older VERSION``). Unsigned pulls read and write nothing here: what an
 attacker could forge cannot be remembered as trusted.
+
+The bounds hold only while no one else can change them: a record another user removed reads as a source never
+trusted, one they wrote as any bound they chose. So the state is read only where the pull record's rule holds
+(pipeline/host/locking.py, ``changeable_by_others``): the cache folder (or, as /tmp is, sticky and this user's or
+root's), ``trust/`` and each record owned by this user and writable by no one else. A record is also refused when a
+value is out of its range (an ``index_version`` below 1 lifts every bound; one past any index's number refuses every
+later pull) or it names another source than the one it is filed under.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from filelock import FileLock
-
-from pipeline.core.cache import cache_root
+from pipeline.core.cache import CACHE_ENV, cache_root
 from pipeline.core.errors import IntegrityError
+from pipeline.core.names import component_problem, version_problem
 from pipeline.core.records import Record
-from pipeline.publishing.index import IndexRow, SignedIndex, layout
+from pipeline.host import locking
+from pipeline.publishing.index import TIME_FORMAT, IndexRow, SignedIndex, layout, parsed_time
+
+MAX_INDEX_VERSION = 2**53 - 1  # one more per index written: beyond any publisher's count, and JSON's exact integers
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -45,24 +56,78 @@ class TrustedSource(Record):
     variants: dict[str, TrustedVersion]
     """Per variant, the newest version taken from this source."""
 
+    def problems(self) -> list[str]:
+        found = []
+        if not 1 <= self.index_version <= MAX_INDEX_VERSION:
+            found.append(f"index_version {self.index_version} is not between 1 and {MAX_INDEX_VERSION}")
+        if not SHA256.fullmatch(self.index_sha256):
+            found.append(f"index_sha256 {self.index_sha256!r} is not a sha256 (64 lowercase hex digits)")
+        for variant, taken in self.variants.items():
+            problem = component_problem(variant) or version_problem(taken.version)
+            if problem:
+                found.append(f"variants names {taken.version!r} of {variant!r} ({problem})")
+            if taken.published is not None and parsed_time(taken.published) is None:
+                found.append(f"variants.{variant}.published {taken.published!r} is not a time ({TIME_FORMAT})")
+        return found
+
 
 def state_path(source: str) -> Path:
     return cache_root() / "trust" / f"{hashlib.sha256(source.encode()).hexdigest()[:32]}.json"
 
 
+def refuse_if_shared(path: Path) -> None:
+    """Refuse the trusted state at ``path`` when another user could have changed it, or the folders holding it."""
+    fix = f"make it yours alone (chmod go-w), or set {CACHE_ENV} to a folder only you can write"
+    for folder, sticky_ok in ((path.parent.parent, True), (path.parent, False)):
+        problem = locking.changeable_by_others(folder, sticky_ok) if folder.exists() else None
+        if problem:
+            raise IntegrityError(f"{folder} {problem}: the trusted state of a source cannot be read from it; {fix}")
+    # The record is never a link (this client writes it as a file of its own): a link could lead to anyone's file.
+    problem = "is a symbolic link" if path.is_symlink() else (
+        locking.changeable_by_others(path) if path.exists() else None)
+    if problem:
+        raise IntegrityError(f"{path} {problem}: it cannot be trusted to bound what is taken; remove it (the next "
+                             f"pull with --public-key writes it again), or set {CACHE_ENV} to a folder only you can "
+                             "write")
+
+
+def read(path: Path, source: str) -> TrustedSource:
+    """The record at ``path``, filed under ``source``; refused in one line, as each refusal of a pull is."""
+    try:
+        state = TrustedSource.read(path)
+    except IntegrityError as exc:
+        if "\n" not in str(exc):
+            raise
+        # The record reader names the file, then one problem a line, then the fix.
+        first, *problems, fix = str(exc).splitlines()
+        raise IntegrityError(f"{first} {'; '.join(p.strip().removeprefix('- ') for p in problems)}. {fix}") from None
+    if state.source != source:
+        raise IntegrityError(f"{path} is the trusted state of {state.source!r}, not of {source}: "
+                             f"{TrustedSource.FIX}")
+    return state
+
+
 def load(source: str) -> TrustedSource | None:
-    """This client's record of ``source``; None for a source it never trusted. A record it cannot read is refused
-    (naming the file), not taken as none: that would forget every bound."""
+    """This client's record of ``source``; None for a source it never trusted. A record it cannot read, or that
+    another user could have changed or removed, is refused (naming the file), not taken as none: that would forget
+    every bound."""
     path = state_path(source)
-    return TrustedSource.read(path) if path.exists() else None
+    refuse_if_shared(path)
+    return read(path, source) if path.exists() else None
 
 
 def check_index(source: str, signed: SignedIndex) -> None:
-    """Refuse a signed index older than the one this client last trusted from ``source``."""
+    """Refuse a signed index older than the one this client last trusted from ``source``, or past what a trusted
+    state keeps (it could not be remembered once taken)."""
+    index = signed.index
+    if index.index_version > MAX_INDEX_VERSION:
+        raise IntegrityError(
+            f"{layout.INDEX} of {source} is index_version {index.index_version}, past the {MAX_INDEX_VERSION} this "
+            "client can keep as trusted: a publisher counts up by one per index written. Nothing was taken. Ask its "
+            "publisher")
     state = load(source)
     if state is None:
         return
-    index = signed.index
     if index.index_version < state.index_version:
         raise IntegrityError(
             f"{layout.INDEX} of {source} is index_version {index.index_version}, older than the {state.index_version} "
@@ -95,8 +160,8 @@ def check_version(source: str, row: IndexRow, allow_older: str | None) -> None:
 def remember(source: str, signed: SignedIndex, taken: IndexRow | None = None) -> None:
     """Record ``signed`` (and ``taken``, the version just pulled, when it is the newest of its variant) as trusted."""
     path = state_path(source)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.with_suffix(".lock"))):  # two pulls of different variants at once both keep theirs
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with locking.held(path.parent, path.stem):  # two pulls of different variants at once both keep theirs
         state = load(source) or TrustedSource(TrustedSource.SCHEMA_VERSION, source, 0, "", {})
         if signed.index.index_version >= state.index_version:
             state = replace(state, index_version=signed.index.index_version, index_sha256=signed.sha256)
@@ -106,3 +171,4 @@ def remember(source: str, signed: SignedIndex, taken: IndexRow | None = None) ->
                 state = replace(state, variants={**state.variants, taken.variant.name: TrustedVersion(
                     taken.version, taken.published)})
         state.write(path)
+        path.chmod(0o600)  # whatever the umask: the rule above reads only a record no one else can write
