@@ -141,10 +141,10 @@ def test_an_owner_line_is_written_whatever_argv_holds(tmp_path, monkeypatch):
     assert owner.read_text() == ""  # cleared on release
 
 
-def pull_bytes(*args: str | bytes) -> subprocess.CompletedProcess:
+def pull_bytes(*args: str | bytes, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m pipeline pull ARGS``, with arguments given as bytes where a test needs bytes that are not UTF-8."""
     proc = subprocess.run([sys.executable, "-m", "pipeline", "pull", *args], cwd=REPO, capture_output=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **(env or {})})
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout, proc.stderr.decode(errors="replace"))
 
 
@@ -153,9 +153,11 @@ def test_bytes_that_are_not_utf8_in_argv_are_refused_or_taken_cleanly(validated_
     line = refusal(pull_bytes(str(repo), b"\xff\xfe", "--allow-unsigned", "--dest", str(tmp_path / "d")))
     assert "has no version or variant '\\udcff\\udcfe'" in line
     dest = os.fsencode(tmp_path) + b"/caf\xe9"
-    taken = pull_bytes(str(repo), VARIANT, "--allow-unsigned", "--dest", dest)
-    assert taken.returncode == 0, taken.stderr
-    assert taken.stdout.startswith(dest + b"/") and Path(os.fsdecode(taken.stdout.strip())).is_dir()
+    # A UTF-8 locale's stdout is strict (C.UTF-8's escapes surrogates): the path printed is its own bytes either way
+    for env in ({}, {"PYTHONIOENCODING": "utf-8:strict"}):
+        taken = pull_bytes(str(repo), VARIANT, "--allow-unsigned", "--dest", dest, env=env)
+        assert taken.returncode == 0, taken.stderr
+        assert taken.stdout.startswith(dest + b"/") and Path(os.fsdecode(taken.stdout.strip())).is_dir()
 
 
 # -- the trusted state of a signed source (item 2) -------------------------------------------------------------------

@@ -453,6 +453,29 @@ def test_core_leases_share_out_a_hosts_cores_and_the_trace_port_waits(tmp_path, 
     assert "waiting for port 2022, held by a host-prefill compile" in err and out.strip() == "got it"
 
 
+def test_links_in_the_shared_lease_folder_are_never_followed_and_any_argv_is_named(tmp_path, monkeypatch):
+    """The lease folder is every user's (sticky): a link another user made as an owner file is not written through,
+    one made as a lease file is refused by name, and a byte of argv that is not UTF-8 is written escaped (it was a
+    UnicodeEncodeError)."""
+    from pipeline.backends import neuron_cores
+    from pipeline.core.errors import PreflightError
+
+    folder = tmp_path / "leases"
+    folder.mkdir(mode=0o1777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (folder / "nc0.owner").symlink_to(victim)
+    monkeypatch.setenv("GEMMA4_NEURON_LOCK_DIR", str(folder))
+    monkeypatch.setattr(sys, "argv", ["pipeline", "--dest", "/tmp/caf\udce9"])
+    lease = neuron_cores.acquire(2, 4, "0-1", "a compile")
+    assert (folder / "nc1.owner").read_text().endswith("/tmp/caf\\udce9)\n")
+    lease.release()
+    assert victim.read_text() == "precious\n"
+    (folder / "nc2.lock").symlink_to(victim)
+    with pytest.raises(PreflightError, match=r"nc2.lock: it is a symbolic link"):
+        neuron_cores.acquire(1, 4, "2", "another")
+
+
 def test_a_failed_host_prefill_compile_keeps_its_log_where_the_error_says(fake_neuron, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NEURON_COMPILE_ERROR", "NCC_IBIR158 unsupported operator")
     cfg = _prepared(tmp_path, "256_bf16_host")

@@ -18,14 +18,21 @@ chosen by ``backend.visible_cores`` (``"2-3"`` or ``"2,3"``) or, when unset, the
 ones. A host-prefill compile also holds the port lease, waiting for another one to finish.
 
 A range the host does not have, or cores another lease holds, is refused before any work, naming the holder.
+
+The folder is every user's (sticky, as /tmp): another user may have made any name in it, a link among them. So lease
+and owner files are opened without following a link, and an owner file is written only when it is a regular file of
+this user's with one name (a link or another user's file is left alone: the owner line is only a courtesy), its
+command line escaped as the log escapes it (a byte of argv that is not UTF-8 cannot be written as it is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,11 +40,13 @@ from pathlib import Path
 
 from pipeline.core.errors import ConfigError, PreflightError
 from pipeline.core.log import log
+from pipeline.core.names import escaped
 from pipeline.core.units import format_cores, parse_cores, visible_cores_problems
 
 LOCK_DIR_ENV = "GEMMA4_NEURON_LOCK_DIR"
 DEFAULT_LOCK_DIR = "/tmp/gemma4-neuron-cores"
 VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
+OWNER_BYTES = 4096  # what is read of an owner file, at most
 TRACE_PORT = 2022  # parallel_model_trace's MASTER_PORT (neuronx-distributed v2.28.0 trace/trace.py)
 
 
@@ -51,9 +60,14 @@ def _owner_file(lock: Path) -> Path:
 
 def _describe_owner(lock: Path) -> str:
     try:
-        return _owner_file(lock).read_text().strip() or "another process"
+        fd = os.open(_owner_file(lock), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return "another process"
+    try:
+        said = os.read(fd, OWNER_BYTES).decode(errors="replace").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+    finally:
+        os.close(fd)
+    return escaped(said) or "another process"
 
 
 def _open(path: Path) -> int:
@@ -62,10 +76,16 @@ def _open(path: Path) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):
                 path.parent.chmod(0o1777)  # host-wide: every user's runs lease from it, as /tmp is shared
-        return os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # an flock needs no write access
+        # an flock needs no write access; a link another user planted is not followed (ELOOP: refused below)
+        return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except PermissionError:
         raise PreflightError(f"cannot use the NeuronCore lease {path}: another user made it; point "
                              f"{LOCK_DIR_ENV} at a directory every user of this host can write") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise PreflightError(f"cannot use the NeuronCore lease {path}: it is a symbolic link (another user's?); "
+                             f"remove it, or point {LOCK_DIR_ENV} at another directory") from None
 
 
 def _try_lock(path: Path) -> int | None:
@@ -79,14 +99,25 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-def _claim(path: Path, what: str) -> None:
+def _write_owner(lock: Path, text: str) -> None:
+    """``text`` into ``lock``'s owner file when that is this user's own regular file (made if missing)."""
     with contextlib.suppress(OSError):
-        _owner_file(path).write_text(f"{what} (pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)})\n")
+        fd = os.open(_owner_file(lock), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+                os.ftruncate(fd, 0)
+                os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+
+def _claim(path: Path, what: str) -> None:
+    _write_owner(path, escaped(f"{what} (pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)})") + "\n")
 
 
 def _release(path: Path, fd: int) -> None:
-    with contextlib.suppress(OSError):
-        _owner_file(path).write_text("")
+    _write_owner(path, "")
     os.close(fd)  # closing the descriptor drops the flock
 
 

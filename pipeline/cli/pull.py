@@ -608,7 +608,11 @@ def main(argv: list[str]) -> int:
         source = None if args.offline else source_for(args.source)
         path = pull(source, args.version, dest, args.public_key, args.allow_unsigned, host, args.verify_full,
                     allow_older=args.allow_older, allow_expired=args.allow_expired)
-    print(path)
+    # The path's own bytes, for DIR=$(pull ...): one that is not UTF-8 (--dest /tmp/caf$'\xe9') cannot be printed as
+    # text under a UTF-8 locale's strict stdout.
+    sys.stdout.flush()
+    sys.stdout.buffer.write(os.fsencode(path) + b"\n")
+    sys.stdout.buffer.flush()
     return 0
 
 
