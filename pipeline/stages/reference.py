@@ -11,7 +11,10 @@ float model.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -126,6 +129,16 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts
     })
 
 
+@contextlib.contextmanager
+def without_onednn() -> Iterator[None]:
+    """torch's own kernels for the block (``dtype_noise`` says why). The flags also set oneDNN's TF32 switch, which
+    warns on a CPU build of torch (TF32 is a GPU's); that warning says nothing about this use."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+
+
 def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> DtypeNoise:
     """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32.
 
@@ -137,7 +150,7 @@ def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference
     remote): it must not hold one CPU's rounding."""
     from pipeline.validation.parity import logit_errors
 
-    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+    with torch.no_grad(), without_onednn():
         out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits
     ours = out[0, len(prompt_ids) - 1:].float()
     errors = logit_errors(ours, reference, continuation)
