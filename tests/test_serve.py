@@ -841,6 +841,7 @@ def test_sigterm_finishes_the_running_request_and_refuses_the_waiting_one(publis
         HTTPConnection("127.0.0.1", srv.port, timeout=5).request("GET", "/health")
 
 
+@pytest.mark.slow  # `make test-slow`: a server of its own, beside the SIGTERM test above that make test runs
 def test_sigterm_closes_a_stream_its_client_stopped_reading_after_the_grace(published, tmp_path):
     """A client that stops reading a long stream kept a SIGTERM'd server up forever (no graceful-shutdown bound):
     past --shutdown-grace its request is cancelled and the server exits 0."""
