@@ -226,7 +226,8 @@ def admissions(scheduler: Scheduler, count: int) -> list[Sequence]:
 def test_requests_waiting_side_by_side_take_lines_in_turn_at_batch_1():
     """At batch 1 no request holds a line when one frees: the turn goes to the request given the fewest lines, so a
     request of many sequences queued ahead (16 prompts x n=16 in serve) does not make a later one wait for all of
-    them; and a newcomer starts level with those there, neither first in line for ever nor starving the big one."""
+    them; and a newcomer takes its turn after those served before it arrived, neither first in line for ever nor
+    starving the big one."""
     big, small, later = object(), object(), object()
     scheduler = Scheduler(1)
     bigs = [seq(big) for _ in range(8)]
@@ -238,8 +239,31 @@ def test_requests_waiting_side_by_side_take_lines_in_turn_at_batch_1():
     assert admissions(scheduler, 4) == [bigs[0], smalls[0], bigs[1], smalls[1]]
     newcomer = [seq(later) for _ in range(2)]
     for s in newcomer:
-        scheduler.add(s)  # big has been given 2 lines: the newcomer starts at 2, not 0
+        scheduler.add(s)  # big was served before the newcomer arrived: it goes first, then they alternate
     assert admissions(scheduler, 4) == [bigs[2], newcomer[0], bigs[3], newcomer[1]]
+
+
+def test_a_stream_of_single_requests_does_not_starve_a_backlogged_one_at_batch_2():
+    """Two lines: one holds a single request for long, the other serves a big request with a backlog while single
+    requests keep arriving. The big request still gets a turn in every few (round-robin by the last line given)."""
+    big, holder = object(), object()
+    scheduler = Scheduler(2)
+    long_one = seq(holder)
+    scheduler.add(long_one)
+    bigs = [seq(big) for _ in range(20)]
+    for s in bigs:
+        scheduler.add(s)
+    order = []
+    for _ in range(12):
+        scheduler.add(seq(object()))  # a single request arrives each turn
+        action = scheduler.next()
+        while not isinstance(action, Prefill):
+            action = scheduler.next()
+        order.append("big" if action.sequence.group is big else "other")
+        action.sequence.status = Status.decoding  # its prompt in one call
+        if action.sequence is not long_one:
+            scheduler.remove(action.sequence)  # it ends at once; the long one keeps its line
+    assert order[0] == "other" and order[1:].count("big") >= 3, order  # a turn in every few, never none
 
 
 def test_a_sequences_own_error_ends_it_alone_and_the_ranks_failing_ends_every_one():

@@ -449,7 +449,7 @@ def test_the_reference_record_is_read_strictly_and_writes_the_same_bytes(project
         tuple(p["output_ids"]) for p in written["prompts"]]
 
 
-@pytest.mark.slow  # `make test-slow`: a reference stage of its own, and it can fail only on a CPU with bf16 instructions
+@pytest.mark.slow  # `make test-slow`: a reference stage of its own; it can fail only on a CPU with bf16 instructions
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="this CPU has no bf16 instructions: its bf16 matmuls are torch's own on every setting")
 def test_the_bf16_noise_a_reference_holds_is_the_same_on_a_cpu_without_bf16_instructions(project, tmp_path):

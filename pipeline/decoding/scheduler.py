@@ -10,12 +10,11 @@ A build decodes ``lines`` sequences at once (its ``batch_size``; its KV caches h
 The rules:
 
 1. **Admission**: a waiting sequence takes a free line when no other sequence is prefilling. Among the waiting, the
-   one whose group (a request) holds the fewest lines goes first, then the one whose group has been given the fewest
-   lines, then the earliest: a request of many sequences (``n`` choices, a list of prompts) cannot keep another from
-   its first line, and requests waiting side by side take lines in turn. A group's count of lines given starts, when
-   it arrives, at the least of the groups already there (start-time fair queuing), so a request of 256 sequences
-   neither starves a newcomer nor is starved by a stream of them. (Before, at batch 1, a newcomer waited for every
-   sequence of a request of 16 prompts x n=16 queued ahead of it.)
+   one whose group (a request) holds the fewest lines goes first, then the one whose group was given a line least
+   recently (a newcomer counts as given one when it arrives), then the earliest: a request of many sequences (``n``
+   choices, a list of prompts) cannot keep another from its first line, and requests waiting side by side take lines
+   round-robin, so a request of 256 sequences neither starves a newcomer nor is starved by a stream of them. (Before,
+   at batch 1, a newcomer waited for every sequence of a request of 16 prompts x n=16 queued ahead of it.)
 2. **Interleaving**: between two decode steps, at most one prefill call. A long prompt is prefilled a bucket at a
    time with the others' decode steps in between, so a running sequence waits at most one prefill call (one bucket,
    or one host prefill) for its next token; with nothing decoding, prefill calls run back to back.
@@ -49,7 +48,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self._prefilled_last = False
         self._used: set[int] = set()  # lines a sequence has held
-        self._given: dict[int, int] = {}  # lines given to each group present (by id), fair-queuing counts
+        # Each group present's turn: when it was last given a line, or first seen waiting (by id, with the group
+        # itself: an id is reused once its object is gone). ``_turn`` counts the lines given.
+        self._turns: dict[int, tuple[object, int]] = {}
+        self._turn = 0
 
     def add(self, sequence: Sequence) -> None:
         sequence.status = Status.waiting
@@ -91,9 +93,10 @@ class Scheduler:
         held: dict[int, int] = {}
         for s in self.held:
             held[id(s.group)] = held.get(id(s.group), 0) + 1
-        given = self._given_counts()
-        chosen = min(self.waiting, key=lambda s: (held.get(id(s.group), 0), given[id(s.group)]))  # earliest of equals
-        given[id(chosen.group)] += 1
+        turns = self._group_turns()
+        chosen = min(self.waiting, key=lambda s: (held.get(id(s.group), 0), turns[id(s.group)]))  # earliest of equals
+        self._turn += 1
+        self._turns[id(chosen.group)] = (chosen.group, self._turn)
         self.waiting.remove(chosen)
         line = self.lines.index(None)
         decoding = sum(s.status == Status.decoding for s in self.held)
@@ -103,12 +106,11 @@ class Scheduler:
         self._used.add(line)
         return chosen
 
-    def _given_counts(self) -> dict[int, int]:
-        """Lines given per group present: groups gone are forgotten (an id may be reused), a newcomer starts at the
-        least count of those present."""
-        present = {id(s.group) for s in self.waiting} | {id(s.group) for s in self.held}
-        self._given = {g: n for g, n in self._given.items() if g in present}
-        start = min(self._given.values(), default=0)
-        for g in present:
-            self._given.setdefault(g, start)
-        return self._given
+    def _group_turns(self) -> dict[int, int]:
+        """Each group present's turn (groups gone forgotten; a newcomer's is now): the least recent goes first, so
+        requests waiting side by side take lines round-robin, a newcomer after those served before it arrived."""
+        present = {id(s.group): s.group for s in [*self.waiting, *self.held]}
+        self._turns = {g: e for g, e in self._turns.items() if g in present and e[0] is present[g]}
+        for g, group in present.items():
+            self._turns.setdefault(g, (group, self._turn))
+        return {g: turn for g, (_, turn) in self._turns.items()}
