@@ -474,6 +474,9 @@ def test_links_in_the_shared_lease_folder_are_never_followed_and_any_argv_is_nam
     (folder / "nc2.lock").symlink_to(victim)
     with pytest.raises(PreflightError, match=r"nc2.lock: it is a symbolic link"):
         neuron_cores.acquire(1, 4, "2", "another")
+    (folder / "nc3.lock").mkdir()
+    with pytest.raises(PreflightError, match=r"nc3.lock: Is a directory; remove it"):
+        neuron_cores.acquire(1, 4, "3", "another")
 
 
 def test_a_failed_host_prefill_compile_keeps_its_log_where_the_error_says(fake_neuron, tmp_path, monkeypatch):

@@ -212,6 +212,8 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
      "'x' is not a token id"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias",
      "'\u00b2' is not a token id"),  # str.isdigit() takes a superscript two; int() does not
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"7" * 5000: 1}}, 400, "logit_bias",
+     "(5000 characters)' is not a token id"),  # int() refuses 4,300 digits and more
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "logit_bias": {"3": 101}}, 400, "logit_bias",
      "between -100 and 100"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids",
@@ -389,6 +391,33 @@ def test_clients_trickling_bodies_cannot_hold_the_server(published, tmp_path):
             sock.close()
         assert srv.stop() == 0
     assert "Traceback" not in srv.log.read_text()
+
+
+def test_a_full_house_closes_an_idle_connection_before_an_upload_and_never_a_request_in_progress():
+    """The eviction order: idle or still sending headers first, then still sending its body (an honest upload may be
+    slow), never a request whose body is in."""
+    from pipeline.serving.connections import Connections
+
+    class Conn:
+        def __init__(self, in_request: bool, busy: bool):
+            self.in_request, self.busy, self.dropped = in_request, busy, False
+
+        def drop(self):
+            self.dropped = True
+            bound.open.pop(self)
+
+    bound = Connections(3, 10.0)
+    decoding, uploading, idle = Conn(True, True), Conn(True, False), Conn(False, False)
+    for conn in (decoding, uploading, idle):
+        assert bound.admit(conn)
+    assert bound.admit(Conn(False, False)) and idle.dropped and not uploading.dropped  # the older upload is kept
+    newest = next(reversed(bound.open))
+    newest.in_request = newest.busy = True
+    assert bound.admit(Conn(False, False)) and uploading.dropped and not decoding.dropped
+    for conn in bound.open:
+        conn.in_request = conn.busy = True
+    assert not bound.admit(Conn(False, False))  # every one has a request in progress: the new one is refused
+    assert bound.refused == 1 and bound.evicted == 2
 
 
 def test_a_repeated_log_line_is_written_once_per_ten_seconds_with_a_count(monkeypatch):

@@ -81,11 +81,10 @@ def _open(path: Path) -> int:
     except PermissionError:
         raise PreflightError(f"cannot use the NeuronCore lease {path}: another user made it; point "
                              f"{LOCK_DIR_ENV} at a directory every user of this host can write") from None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise PreflightError(f"cannot use the NeuronCore lease {path}: it is a symbolic link (another user's?); "
-                             f"remove it, or point {LOCK_DIR_ENV} at another directory") from None
+    except OSError as exc:  # a link (ELOOP) or a folder (EISDIR) another user made there, or the folder unusable
+        why = "it is a symbolic link (another user's?)" if exc.errno == errno.ELOOP else exc.strerror
+        raise PreflightError(f"cannot use the NeuronCore lease {path}: {why}; remove it, or point {LOCK_DIR_ENV} at "
+                             "another directory") from None
 
 
 def _try_lock(path: Path) -> int | None:

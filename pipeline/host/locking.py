@@ -65,7 +65,7 @@ def refuse_if_shared(path: Path, fix: str, sticky_ok: bool = False, error: type[
 
 def lock_folder(root: Path) -> int:
     """A descriptor of ``root/.locks``, made if missing, once both folders are found to keep to the rule."""
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)  # the rule's mode whatever the umask (002 would break it)
     refuse_if_shared(root, "another user could plant links there that this run would write through. Use a folder "
                      f"only you can write (chmod go-w {root}, or one of your own), or make it sticky as /tmp is "
                      f"(chmod +t {root})", sticky_ok=True)

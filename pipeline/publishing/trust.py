@@ -160,7 +160,10 @@ def check_version(source: str, row: IndexRow, allow_older: str | None) -> None:
 def remember(source: str, signed: SignedIndex, taken: IndexRow | None = None) -> None:
     """Record ``signed`` (and ``taken``, the version just pulled, when it is the newest of its variant) as trusted."""
     path = state_path(source)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Made with the modes the rule asks for, whatever the umask (002 with a shared group would make them group-
+    # writable, and then refused): the cache folder, then trust/ in it
+    path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     with locking.held(path.parent, path.stem):  # two pulls of different variants at once both keep theirs
         state = load(source) or TrustedSource(TrustedSource.SCHEMA_VERSION, source, 0, "", {})
         if signed.index.index_version >= state.index_version:

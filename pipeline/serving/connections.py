@@ -57,7 +57,9 @@ class Connections:
         """Make room for ``new`` (closing the oldest connection with no request in progress); False when there is
         none to close, and ``new`` must be closed instead."""
         if len(self.open) >= self.max_connections:
-            idle = next((c for c in self.open if not c.busy), None)
+            # Idle or still sending headers first; only then one still sending its body (a slow upload may be honest)
+            idle = next((c for c in self.open if not c.in_request), None) or next(
+                (c for c in self.open if not c.busy), None)
             if idle is None:
                 self.refused += 1
                 return False

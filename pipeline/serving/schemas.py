@@ -70,10 +70,12 @@ class Sampling(Body):
         """``logit_bias`` as (token id, bias): OpenAI's keys are token ids as strings, its values -100 to 100."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            # ASCII digits only: str.isdigit() also takes '²' and '٣', which int() refuses or reads as another id
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
-                raise Refused(400, f"logit_bias key {key!r} is not a token id of this model (0 to {vocab_size - 1})",
-                              "logit_bias")
+            # ASCII digits only: str.isdigit() also takes '²' and '٣', which int() refuses or reads as another id; and
+            # no longer than the largest id (int() refuses 4,300 digits and more: a 500)
+            if not (key.isascii() and key.isdigit()) or len(key) > len(str(vocab_size)) or int(key) >= vocab_size:
+                shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} characters)"
+                raise Refused(400, f"logit_bias key {shown!r} is not a token id of this model (0 to "
+                                   f"{vocab_size - 1})", "logit_bias")
             if not -100 <= bias <= 100:
                 raise Refused(400, f"logit_bias[{key!r}] is {bias}: a bias is between -100 and 100", "logit_bias")
             out.append((int(key), float(bias)))
