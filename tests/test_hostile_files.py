@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -253,7 +254,7 @@ def test_a_signed_index_past_what_a_trusted_state_keeps_is_refused_before_anythi
 def test_refresh_index_refuses_a_publish_folder_another_user_can_change(validated_512_fp32, tmp_path, opened):
     """refresh-index ran the configuration another user planted (a probe's core.fsmonitor) and would sign rows
     they committed. A folder only its publisher can change is the publisher's own; another is refused before git runs
-    in it."""
+    in it (by the publish stage's target, which publish and refresh-index share)."""
     artifacts = tmp_path / "artifacts"
     repo, _ = published_copy(validated_512_fp32, artifacts / "published")
     probe, ran = tmp_path / "fsmonitor", tmp_path / "fsmonitor-ran"
@@ -263,5 +264,19 @@ def test_refresh_index_refuses_a_publish_folder_another_user_can_change(validate
     (repo / opened).resolve().chmod(0o777)
     head = LocalRepo(repo).head()
     line = refusal(cli("refresh-index", f"artifacts_dir={artifacts}", "--force"))
-    assert f"{(repo / opened).resolve()} can be changed by another user" in line and "chmod -R go-w" in line
+    assert f"{(repo / opened).resolve()} can be changed by another user" in line and "chmod " in line
     assert not ran.exists() and LocalRepo(repo).head() == head
+
+
+def test_the_publish_stage_refuses_a_publish_folder_another_user_can_change(validated_512_fp32, tmp_path):
+    """The publish stage runs git in the same folder and signs the index it writes there: the same rule as
+    refresh-index's, before git runs (it took the folder as it was)."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(validated_512_fp32, artifacts, symlinks=True, ignore=shutil.ignore_patterns("logs", ".locks"))
+    config = artifacts / "published" / ".git" / "config"
+    before = config.read_bytes()
+    config.chmod(0o666)
+    line = refusal(cli(f"+variant={VARIANT}", "backend=cpu", "stage=publish", f"artifacts_dir={artifacts}",
+                       "force=true"))
+    assert f"{config} can be changed by another user" in line and "chmod -R go-w" in line
+    assert config.read_bytes() == before

@@ -17,23 +17,20 @@ A ``publish=local`` folder is the publisher's own: git runs there with its own c
 when the publisher types a git command in it. What is refused is a folder another user could change (the pull
 record's rule, pipeline/host/locking.py): they could plant configuration that runs a command, and, worse, commit rows
 that this command would then sign with the private key. Its folder (or, as /tmp is, sticky and this user's or root's)
-and every folder and file in it must be this user's alone.
+and every folder and file in it must be this user's alone; the publish stage holds it to the same rule
+(pipeline/stages/publish.py ``on_target``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import yaml
 
 from pipeline.cli import plain
-from pipeline.core.errors import PublishError
 from pipeline.core.log import exit_on_error, setup
-from pipeline.host.locking import refuse_if_shared
-from pipeline.paths import Paths, outliving_dvc
 
 CHOICES = ("model", "publish")  # params.yaml's pipeline-level choices the target depends on
 
@@ -44,29 +41,6 @@ def params_choices(params: Path = Path("params.yaml")) -> list[str]:
         return []
     data = yaml.safe_load(params.read_text()) or {}
     return [f"{key}={data[key]}" for key in CHOICES if isinstance(data.get(key), str)]
-
-
-def everything_in(folder: Path) -> list[Path]:
-    """``folder``, and every folder and file in it. A link is left out: it sits in a folder checked here, so only
-    this user could have made it, and it is not followed."""
-    found = [folder]
-    for parent, folders, files in os.walk(folder):
-        found += [path for name in folders + files if not (path := Path(parent, name)).is_symlink()]
-    return found
-
-
-def refuse_a_shared_publish_folder(cfg) -> None:
-    """Refuse a ``publish=local`` folder another user could change, before git runs in it (the module's rule)."""
-    if cfg.publish.target != "local":
-        return
-    repo = outliving_dvc(Paths.of(cfg).root / cfg.publish.local_dir)
-    if not repo.exists():
-        return  # nothing published there: refresh_index says so
-    fix = (f"another user could plant git configuration there or rows for this command to sign. Make {repo} yours "
-           f"alone (chmod -R go-w {repo}), then run refresh-index again")
-    refuse_if_shared(repo.resolve().parent, fix, sticky_ok=True, error=PublishError)
-    for path in everything_in(repo):
-        refuse_if_shared(path, fix, error=PublishError)
 
 
 def main(argv: list[str]) -> int:
@@ -81,8 +55,7 @@ def main(argv: list[str]) -> int:
         from pipeline.stages.publish import refresh_index
 
         cfg = compose(params_choices() + list(args.overrides))
-        refuse_a_shared_publish_folder(cfg)
-        refresh_index(cfg, args.force)
+        refresh_index(cfg, args.force)  # refuses a publish=local folder another user could change
     return 0
 
 

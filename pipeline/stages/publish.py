@@ -22,13 +22,12 @@ Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, 
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TypeVar
-
-from filelock import FileLock
 
 from pipeline.artifact import signing
 from pipeline.artifact.archive import verify_file
@@ -41,6 +40,7 @@ from pipeline.core.fsutil import json_text, sha256_bytes, write_json_if_changed
 from pipeline.core.log import log
 from pipeline.core.names import version_problem
 from pipeline.core.records import encode
+from pipeline.host import locking
 from pipeline.paths import Paths, outliving_dvc
 from pipeline.publishing import index, layout, regression
 from pipeline.publishing.card import render
@@ -315,14 +315,37 @@ def on_target(cfg: PipelineConfig, act: Callable[[object, str], T], what: str) -
     if pub.target == "local":
         # A queued DVC experiment runs in a copy DVC deletes afterwards: its versions go to the user's repository.
         repo_dir = outliving_dvc(Paths.of(cfg).root / pub.local_dir)
-        repo_dir.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(repo_dir.parent / f".{repo_dir.name}.lock"), timeout=600):
+        with locking.held(repo_dir.parent, f"publish-{repo_dir.name}", timeout_s=600):
+            refuse_a_shared_repository(repo_dir)
             return act(LocalRepo(repo_dir), str(repo_dir)), str(repo_dir.resolve())
     from pipeline.publishing import hub
 
     target = hub.HubTarget(pub.repo_id, pub.private)
     return hub.with_retries(lambda: act(target, pub.repo_id), f"{what} to {pub.repo_id}", pub.retries,
                             pub.retry_base_s, pub.retry_max_s, pub.repo_id), pub.repo_id
+
+
+def refuse_a_shared_repository(repo_dir: Path) -> None:
+    """Refuse a ``publish=local`` repository another user could change, before git runs in it: git runs there with
+    its own configuration and hooks, as when its publisher types a git command there (it is the publisher's folder),
+    and another user who could change it could plant configuration that runs a command, or commit rows that publish
+    and refresh-index would then sign with the private key. Every folder and file in it must be this user's alone
+    (pipeline/host/locking.py's rule); the folder holding it is checked by the lock taken there."""
+    if not repo_dir.exists():
+        return
+    fix = (f"another user could plant git configuration there, or rows for the private key to sign. Make {repo_dir} "
+           f"yours alone (chmod -R go-w {repo_dir}), then run again")
+    for path in everything_in(repo_dir):
+        locking.refuse_if_shared(path, fix, error=PublishError)
+
+
+def everything_in(folder: Path) -> list[Path]:
+    """``folder``, and every folder and file in it. A link is left out: it sits in a folder checked here, so only
+    this user could have made it, and it is not followed."""
+    found = [folder]
+    for parent, folders, files in os.walk(folder):
+        found += [path for name in folders + files if not (path := Path(parent, name)).is_symlink()]
+    return found
 
 
 def refresh_index(cfg: PipelineConfig, force: bool = False) -> IndexRefresh:
