@@ -175,7 +175,7 @@ test-rehearsal: $(VENV)/.installed
 # The full-size rehearsal (bench/rehearse_e4b.py, docs/full-size.md): a Gemma-4-E4B-shaped checkpoint with random
 # weights (15 GB, written here), then every stage of 512_bf16 and 512_bf16_host at tp_degree 2 on the cpu backend, a
 # local publish, pull, serve through the openai client, and the baselines (transformers' bf16 generate, tar with zstd),
-# every process's peak memory and the disk's high-water mark measured. Needs 75 GB of free disk (its time:
+# every process's peak memory and the disk's high-water mark measured. Needs about 100 GB of free disk (its time:
 # docs/testing.md); not part of .ci/run. Writes $(REHEARSAL_DIR)/artifacts/rehearsal.json.
 REHEARSAL_DIR ?= /tmp/rehearse-e4b
 rehearse-e4b: $(VENV)/.installed

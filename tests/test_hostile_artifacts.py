@@ -439,6 +439,19 @@ def test_the_reported_bundles_are_refused_in_one_line_by_each_command(signed, tm
     assert "versions.json's signature" in one_line_refusal(served)
 
 
+def test_a_bundle_without_its_key_hint_leaves_standard_output_to_the_path(signed, tmp_path):
+    """model_signing prints a warning on standard output for a bundle whose (unsigned) key hint is gone: a
+    repository could put a line before the path in ``DIR=$(pull ...)``. Its output goes to standard error."""
+    at = layout.path_in(VARIANT, signing.SIGNATURE)
+    bundle = json.loads(LocalRepo(signed.repo).read(LocalRepo(signed.repo).tags()[signed.version], at))
+    bundle["verificationMaterial"]["publicKey"]["hint"] = ""
+    repo = committed_copy(signed, tmp_path, at, json.dumps(bundle).encode())
+    LocalRepo(repo).git("tag", "-f", signed.version, "HEAD")
+    pulled = cli("pull", str(repo), signed.version, "--public-key", signed.public, "--dest", str(tmp_path / "dest"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout.splitlines() == [str(tmp_path / "dest" / signed.rank_dir.name)]
+
+
 # -- 9: archive chains and zstd ---------------------------------------------------------------------------------------
 
 def extended_chain(kind: bytes, count: int, root: str) -> bytes:

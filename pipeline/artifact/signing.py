@@ -20,6 +20,8 @@ too), the public one beside it to hand out.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -179,9 +181,12 @@ def verify(folder: Path, archive_name: str | None, public_key: str | bytes, name
             key_path.write_bytes(public_key)
             public_key = str(key_path)
         public_key = str(Path(public_key).expanduser())
+        # model_signing prints its warnings (an old-format bundle: one whose unsigned key hint was removed) on
+        # standard output, which is the path in DIR=$(pull ...): they go to standard error
         try:
-            verifying.Config().use_elliptic_key_verifier(public_key=public_key) \
-                .set_hashing_config(_hashing(folder, archive_name)).verify(folder, signature)
+            with contextlib.redirect_stdout(sys.stderr):
+                verifying.Config().use_elliptic_key_verifier(public_key=public_key) \
+                    .set_hashing_config(_hashing(folder, archive_name)).verify(folder, signature)
         except InvalidSignature:
             raise IntegrityError(f"signature check of {named} failed: its signature bytes are not this public key's "
                                  "signature of its payload") from None
