@@ -139,24 +139,6 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _read_bounded(path: Path, max_bytes: int, named: str | None = None) -> bytes:
-    """``path``'s bytes, refused (naming it ``named``, default its path) past ``max_bytes``, read no further."""
-    with open(path, "rb") as f:
-        raw = f.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise IntegrityError(f"{named or path} is more than the {max_bytes} bytes a file of its kind may have: "
-                             "refusing to read it")
-    return raw
-
-
-def _read_bundle(signature: Path, named: str) -> Any:
-    """The signature file parsed within its bounds (model_signing parses it unbounded), or a refusal naming it."""
-    try:
-        return jsonio.loads(_read_bounded(signature, MAX_SIGNATURE_BYTES, named))
-    except jsonio.JSONRefused as exc:
-        raise IntegrityError(f"{named} cannot be read: {exc}") from None
-
-
 def verify(folder: Path, archive_name: str | None, public_key: str | bytes, named: str | None = None) -> None:
     """Raise ``IntegrityError`` unless ``folder/manifest.sig`` is a valid signature of the folder by ``public_key``.
 
@@ -171,7 +153,8 @@ def verify(folder: Path, archive_name: str | None, public_key: str | bytes, name
     if not signature.is_file():
         raise IntegrityError(f"{folder} has no {SIGNATURE}: the artifact is unsigned")
     named = named or "the signature"
-    problem = bundle_problem(_read_bundle(signature, named))
+    # model_signing parses it unbounded: within its bounds here first, named as the caller names it
+    problem = bundle_problem(jsonio.read(signature, MAX_SIGNATURE_BYTES, named=named))
     if problem:
         raise IntegrityError(f"{named} is not a signature bundle ({problem}): refusing it; fetch it again, or ask "
                              "its publisher to sign it again")
@@ -204,10 +187,10 @@ def verified_manifest(manifest_path: Path, public_key: str | bytes) -> Manifest:
         raise IntegrityError(f"{manifest_path} has no signature beside it ({signature.name}): it is unsigned, or its "
                              "signature was removed, and with --public-key only what that key signed is used; pull "
                              "the version again with --public-key")
-    raw = _read_bounded(manifest_path, Manifest.MAX_BYTES)
+    raw = jsonio.read_bytes(manifest_path, Manifest.MAX_BYTES)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / MANIFEST).write_bytes(raw)
-        (Path(tmp) / SIGNATURE).write_bytes(_read_bounded(signature, MAX_SIGNATURE_BYTES))
+        (Path(tmp) / SIGNATURE).write_bytes(jsonio.read_bytes(signature, MAX_SIGNATURE_BYTES))
         verify(Path(tmp), None, public_key, named=str(signature))
     return Manifest.from_bytes(raw, str(manifest_path))
 

@@ -42,6 +42,7 @@ from pipeline.core.errors import ConfigError, PreflightError
 from pipeline.core.log import log
 from pipeline.core.names import escaped
 from pipeline.core.units import format_cores, parse_cores, visible_cores_problems
+from pipeline.host.locking import own_regular_file
 
 LOCK_DIR_ENV = "GEMMA4_NEURON_LOCK_DIR"
 DEFAULT_LOCK_DIR = "/tmp/gemma4-neuron-cores"
@@ -103,8 +104,7 @@ def _write_owner(lock: Path, text: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(_owner_file(lock), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         try:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            if own_regular_file(os.fstat(fd)):
                 os.ftruncate(fd, 0)
                 os.write(fd, text.encode())
         finally:

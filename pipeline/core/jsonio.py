@@ -10,6 +10,7 @@ reader), or when it uses the non-standard ``NaN`` and ``Infinity``, which Python
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +64,28 @@ def loads(raw: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
     return value
 
 
-def read(path: str | Path, max_bytes: int, error: type[PipelineError] = IntegrityError) -> Any:
-    """The JSON document at ``path``, refused (``error`` naming the path) when it is larger than ``max_bytes`` or
-    ``loads`` refuses it; a missing file raises ``FileNotFoundError`` as ``open`` does."""
+def read_bytes(path: str | Path, max_bytes: int, error: type[PipelineError] = IntegrityError,
+               named: str | None = None) -> bytes:
+    """The bytes of ``path``, refused (``error`` naming it ``named``, default its path) when it is larger than
+    ``max_bytes``, read no further; a missing file raises ``FileNotFoundError`` as ``open`` does."""
+    named = named or str(path)
     with open(path, "rb") as f:
-        size = Path(path).stat().st_size
+        size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
-            raise error(f"{path} is {size} bytes, more than the {max_bytes} a file of its kind may have: refusing "
+            raise error(f"{named} is {size} bytes, more than the {max_bytes} a file of its kind may have: refusing "
                         "to read it")
         raw = f.read(max_bytes + 1)
     if len(raw) > max_bytes:  # it grew since stat
-        raise error(f"{path} is more than {max_bytes} bytes: refusing to read it")
+        raise error(f"{named} is more than {max_bytes} bytes: refusing to read it")
+    return raw
+
+
+def read(path: str | Path, max_bytes: int, error: type[PipelineError] = IntegrityError,
+         named: str | None = None) -> Any:
+    """The JSON document at ``path``, refused (``error`` naming it ``named``, default its path) when it is larger than
+    ``max_bytes`` or ``loads`` refuses it; a missing file raises ``FileNotFoundError`` as ``open`` does."""
+    raw = read_bytes(path, max_bytes, error, named)
     try:
         return loads(raw)
     except JSONRefused as exc:
-        raise error(f"{path} cannot be read: {exc}") from None
+        raise error(f"{named or path} cannot be read: {exc}") from None

@@ -85,6 +85,12 @@ def lock_folder(root: Path) -> int:
     return fd
 
 
+def own_regular_file(st: os.stat_result) -> bool:
+    """Whether an opened file is one this user may write without writing elsewhere: a regular file of this user's
+    with one name (not a device, another user's file, or a hard link to a file somewhere else)."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+
+
 def own_file(folder: int, name: str, where: Path, create: bool = True) -> int | None:
     """A descriptor of the file ``name`` in the lock folder ``folder`` (``where``), opened for reading and writing
     without following a link, and made if missing (None when it is missing and not ``create``)."""
@@ -100,7 +106,7 @@ def own_file(folder: int, name: str, where: Path, create: bool = True) -> int | 
             from None
     # Checked on the descriptor, not the name: what is written is this file, whatever the name points at by now.
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+    if own_regular_file(st):
         return fd
     os.close(fd)
     raise PipelineError(f"{path} cannot be used as a lock file (not a regular file of this user's with one name: "
