@@ -796,6 +796,39 @@ def test_the_queue_bound_holds_for_requests_arriving_together_and_while_lines_ch
     assert waiting == [] and held == 4
 
 
+def test_a_request_that_took_a_line_no_longer_counts_as_waiting_before_its_handler_resumes():
+    """One line and a queue of two: the engine gives the first request the line and the handler that awaits it has not
+    resumed yet (it runs on a later tick); two more arrive in that tick. Both may wait: the first holds the line and
+    waits no longer. CI once refused the third, counting the first both in the line and in the queue."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from pipeline.serving.admission import Admission
+    from pipeline.serving.schemas import Refused
+
+    async def scenario() -> list:
+        admission = Admission(queue_size=2, queue_timeout_s=30, lines=1,
+                              depth=Gauge("d", "", registry=CollectorRegistry()))
+        first = admission.enter()
+        waiter = asyncio.ensure_future(admission.wait(first))
+        await asyncio.sleep(0)  # the handler awaits its line
+        admission.line_taken()
+        admission.started(first)
+        arrivals = []
+        for _ in range(3):  # same tick: the first's handler has not resumed
+            try:
+                arrivals.append(admission.enter())
+            except Refused as exc:
+                arrivals.append(exc)
+        await waiter
+        return arrivals + [len(admission.waiting)]
+
+    *arrivals, waiting = asyncio.run(scenario())
+    assert [isinstance(a, Refused) for a in arrivals] == [False, False, True]
+    assert waiting == 2
+
+
 def test_a_client_that_disconnects_stops_its_decode(server):
     def generated() -> float:
         lines = server.get("/metrics").text.splitlines()

@@ -83,7 +83,10 @@ class Admission:
     # -- what the engine's thread reports (through the event loop) ---------------------------------------------------
 
     def started(self, ticket: Ticket) -> None:
+        """``ticket``'s request took a line: it waits no longer, from now, not from when its handler next runs (until
+        then it would count both in a line and in the queue, and refuse an arrival the bound lets in)."""
         ticket.started.set()
+        self.leave(ticket)
 
     def line_taken(self) -> None:
         self.held += 1
