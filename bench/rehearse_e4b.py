@@ -38,9 +38,9 @@ VARIANTS = ("512_bf16", "512_bf16_host", "512_bf16+bs4")
 BATCHED = VARIANTS[2]
 CLIENTS = (1, 4)  # the batched version served to one client, then four at once
 # A release validates six prompts with 32 new tokens each; the rehearsal two, 16 tokens, one timed run per context.
-# The cpu backend's decode floor (5 tokens/s) is the tiny model's; E4B's ranks decode about 1 token/s on 2 cores.
+# The cpu backend's floors are reported, not enforced (the machine's CPU and load set them): nothing to override.
 VALIDATE = ("validate.max_new_tokens=16", "validate.prompt_names=[capital,near_64]", "validate.throughput.runs=1",
-            "validate.throughput.contexts=[short,half]", "validate.throughput.floors.cpu.any.tokens_per_s=0.25")
+            "validate.throughput.contexts=[short,half]")
 
 
 @dataclass

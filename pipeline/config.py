@@ -302,11 +302,16 @@ class FloorConfig:
     """Time to first token at the short context, device-prefill variants."""
     ttft_ms_host: float | None = None
     """Time to first token at the short context, host-prefill variants."""
+    enforced: bool | None = None
+    """Whether a figure beyond the floor fails the stage. Null: where the backend's timings compare across builds
+    (``timings_compare`` in pipeline/backends/registry.py: neuron), and not on the cpu backend, whose timings are the
+    machine's CPU and load (a bf16 build's first token is 30x slower on a CPU without bf16 instructions): there the
+    rows are reported in validation.json and the table, not enforced."""
 
     def problems(self, key: str) -> list[str]:
         """Named under ``key``, where this floor sits (``validate.throughput.floors.neuron.inf2_8xlarge``)."""
         return [f"{key}.{name}={value} must be positive (or null)" for name, value in vars(self).items()
-                if value is not None and value <= 0]
+                if name != "enforced" and value is not None and value <= 0]
 
 
 @dataclass

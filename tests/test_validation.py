@@ -302,13 +302,41 @@ def test_bf16_passes_on_its_logits(project, tmp_path):
     assert_writes_the_same_bytes(Paths.of(cfg).validation_report, tmp_path)  # the logits mode's verdicts
 
 
-def test_a_throughput_floor_fails_the_stage_with_a_table(project, tmp_path):
+def test_a_cpu_floor_is_reported_and_an_enforced_one_fails_the_stage_with_a_table(project, tmp_path, caplog):
+    """The cpu backend's timings are the machine's: a floor it misses is reported in the table and validation.json,
+    and the stage passes; the same floor with ``enforced=true`` fails it."""
     root = clone_variant(project, tmp_path)
-    cfg = config(root, *FAST_VALIDATE, "+validate.throughput.floors.cpu.local.tokens_per_s=100000")
+    floor = "+validate.throughput.floors.cpu.local.tokens_per_s=100000"
+    cfg = config(root, *FAST_VALIDATE, floor)
+    with caplog.at_level(logging.INFO):
+        run(cfg, "validate")
+    report = read_json(Paths.of(cfg).validation_report)
+    assert report["gates"] == {"parity": True, "throughput": True, "passed": True}
+    assert report["throughput_gate"]["enforced"] is False and report["throughput_gate"]["passed"] is False
+    assert re.search(r"decode tokens/s .* vs limit 100000: beyond it \(reported, not enforced\)", caplog.text)
+    cfg = config(root, *FAST_VALIDATE, floor, "+validate.throughput.floors.cpu.local.enforced=true")
     with pytest.raises(ThroughputError, match=r"below the cpu.local floor:[\s\S]*decode tokens/s .* vs limit 100000"):
         run(cfg, "validate")
     assert read_json(Paths.of(cfg).validation_report)["gates"] == {"parity": True, "throughput": False,
                                                                     "passed": False}
+
+
+@pytest.mark.parametrize("backend, hardware, holds", [("cpu", "local", True), ("neuron", "inf2_8xlarge", False)])
+def test_the_rehearsals_figures_on_a_cpu_without_bf16_pass_the_cpu_gate_and_would_fail_inf2s(project, backend,
+                                                                                             hardware, holds):
+    """Issue 50's rehearsal on an AVX2-only EPYC: 1.0 token/s and a 62.4 s first token (device prefill) on the cpu
+    backend. Its gate reports both rows beyond the floor and lets the build through; the same figures on inf2, whose
+    floors are enforced, fail."""
+    from pipeline.stages.validate import throughput_gate
+    from pipeline.validation.records import ThroughputSummary
+
+    latency = dict.fromkeys(("latency_ms_p50", "latency_ms_p90", "latency_ms_p95", "latency_ms_p99",
+                             "latency_ms_p100", "latency_ms_avg"), 1000.0)
+    figures = ThroughputSummary(**latency, tokens_per_s=1.0, ms_per_token=1000.0, ttft_ms=62351.4, throughput=1.0,
+                                decode_steps=16)
+    gate = throughput_gate(config(project, *FAST_VALIDATE), backend, hardware, "device", figures)
+    assert [(row.value, row.passed) for row in gate.checks] == [(1.0, False), (62351.4, False)]
+    assert gate.holds is holds and gate.enforced is not holds
 
 
 # -- errors in the validation process ---------------------------------------------------------------------------

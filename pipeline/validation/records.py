@@ -247,12 +247,19 @@ class GateCheck:
 
 @dataclass(frozen=True)
 class ThroughputGate:
-    """The throughput floor for this backend and hardware (``floor``: its key, null where none is configured) and
-    each of its checks."""
+    """The throughput floor for this backend and hardware (``floor``: its key, null where none is configured), each
+    of its checks, whether all passed, and whether a check that did not fails the stage (``enforced``; the cpu
+    backend's are reported: config.py FloorConfig.enforced)."""
 
     floor: str | None
     checks: tuple[GateCheck, ...]
     passed: bool
+    enforced: bool
+
+    @property
+    def holds(self) -> bool:
+        """The gate lets the build through: its checks passed, or they are reported only."""
+        return self.passed or not self.enforced
 
 
 @dataclass(frozen=True)
