@@ -44,6 +44,7 @@ from pipeline.core.fsutil import reporting_full_disk, sha256_file
 from pipeline.core.log import relay_output
 from pipeline.core.log import setup as setup_logging
 from pipeline.core.shape import BuildShape, rank_members
+from pipeline.host import bf16_matmul
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 
 # Collectives in a saved rank name their process group; every process group this backend creates is the default
@@ -111,10 +112,14 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
                          load_s=round(loaded - started, 3))
 
 
-def _serve_rank(rank: int, build: VerifiedBuild, conn) -> None:
+def _serve_rank(rank: int, job: ServeJob, conn) -> None:
     # Loading TorchScript runs code: only files verified against the manifest, unchanged since (stat check).
+    build, shape = job.build, job.shape
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
+    if job.bf16_matmul == "fp32" and shape.dtype == "bf16":  # this CPU has no bf16 instructions
+        bf16_matmul.rewrite_rank(module, {e: bf16_matmul.graph_rows(e, shape.bucket, shape.batch_size)
+                                          for e in shape.entries})
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
 
@@ -143,7 +148,7 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: TraceJob | ServeJ
         if isinstance(job, TraceJob):
             conn.send(Traced((_trace_rank(rank, job.request, job.out_dir),)))
         else:
-            _serve_rank(rank, job.build, conn)
+            _serve_rank(rank, job, conn)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         report_failure(conn, exc)
     finally:
@@ -187,4 +192,4 @@ class CpuBackend:
         return trace_result(ranks, request.shape, started, {"group_name": GROUP_NAME, **self.compiler_info()})
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> ProcessRunner:
-        return ProcessRunner(require_verified(build), shape, target=_rank_main)
+        return ProcessRunner(require_verified(build), shape, target=_rank_main, bf16_matmul=bf16_matmul.chosen())

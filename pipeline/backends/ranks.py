@@ -73,6 +73,8 @@ class ServeJob:
 
     build: VerifiedBuild
     shape: BuildShape
+    bf16_matmul: str = "native"
+    """How the ranks run bf16 matmuls of many rows (pipeline/host/bf16_matmul.py), chosen by the loading process."""
 
 
 @dataclass(frozen=True)
@@ -334,13 +336,14 @@ class ProcessRunner(RankRunner):
     """A loaded build whose ranks run in processes of their own (``target``: their main, given a ``ServeJob``), one
     per rank, driven over pipes."""
 
-    def __init__(self, build: VerifiedBuild, shape: BuildShape, target):
+    def __init__(self, build: VerifiedBuild, shape: BuildShape, target, bf16_matmul: str = "native"):
         self.shape = shape
         started = time.monotonic()
         if sorted(m.path for m in build.members) != sorted(rank_members(shape.tp_degree)):
             raise IntegrityError(f"{build.directory} holds {[m.path for m in build.members]}, a tp_degree "
                                  f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
-        self.group = RankGroup(shape.tp_degree, ServeJob(build, shape), target)
+        self.bf16_matmul = bf16_matmul  # what the ranks do with it is their target's (the cpu backend's rewrites)
+        self.group = RankGroup(shape.tp_degree, ServeJob(build, shape, self.bf16_matmul), target)
         self.ready = self.group.receive_all(timeout=600)
         self.load_s = time.monotonic() - started
         self.compute_s: list[float] = []  # rank 0's time inside the graph, per call

@@ -27,6 +27,7 @@ import torch
 from pipeline.backends.base import RankRunner
 from pipeline.core.errors import PipelineError
 from pipeline.decoding.sequence import Sequence
+from pipeline.host import bf16_matmul
 from pipeline.host.procinfo import usable_cpus
 from pipeline.recipe.host import HostEmbeddings, HostPrefill, split_kv_for_ranks
 
@@ -72,6 +73,8 @@ class BatchRunner:
         if self.shape.prefill == "host" and host_prefill is None:
             raise ValueError("a prefill=host build needs the host's prefill model (HostPrefill)")
         self.host_prefill = host_prefill
+        self.host_bf16_matmul = bf16_matmul.chosen() if host_prefill is not None else None
+        """How host prefill runs bf16 matmuls of many rows on this CPU (pipeline/host/bf16_matmul.py)."""
         self.prefill_threads = prefill_threads or host_prefill_threads()
         self.decode_threads = decode_threads
 
@@ -99,7 +102,7 @@ class BatchRunner:
         return out
 
     def _host_prefill(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch_threads(self.prefill_threads):
+        with torch_threads(self.prefill_threads), bf16_matmul.eager(self.host_bf16_matmul):
             logits, token, caches = self.host_prefill.prefill(seq.prompt)
         self._ranks("seed_kv", split_kv_for_ranks(caches, self.shape.tp_degree, self.shape.torch_dtype), seq.line)
         seq.prefilled = len(seq.prompt)

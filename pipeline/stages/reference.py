@@ -11,10 +11,7 @@ float model.
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
-from collections.abc import Iterator
 
 import torch
 
@@ -25,7 +22,7 @@ from pipeline.core.errors import PipelineError, StaleInputError
 from pipeline.core.fsutil import atomic_write_bytes, sha256_file
 from pipeline.core.log import log, progress
 from pipeline.core.records import fingerprint
-from pipeline.host import preflight
+from pipeline.host import bf16_matmul, preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
 from pipeline.stages import StageResult, StageStatus, code_of
@@ -129,28 +126,21 @@ def expected_fingerprint(cfg: PipelineConfig, model_record: ModelRecord, prompts
     })
 
 
-@contextlib.contextmanager
-def without_onednn() -> Iterator[None]:
-    """torch's own kernels for the block (``dtype_noise`` says why). The flags also set oneDNN's TF32 switch, which
-    warns on a CPU build of torch (TF32 is a GPU's); that warning says nothing about this use."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-        with torch.backends.mkldnn.flags(enabled=False):
-            yield
-
-
 def dtype_noise(model, prompt_ids: list[int], continuation: list[int], reference: torch.Tensor) -> DtypeNoise:
     """transformers' bf16 model, teacher-forced on the fp32 continuation: its logit errors against fp32.
 
-    Measured with oneDNN off, so the figure is the same on every x86 CPU. On a CPU with bf16 instructions
-    (avx512_bf16, AMX) torch sends bf16 matmuls to oneDNN, whose rounding differs from torch's own kernels, the ones
-    an AVX2-only CPU runs. Seen on the tiny model's spans_64 prompt: transformers' top-5 error 0.0301 through oneDNN,
-    0.0428 through torch's kernels, while a bf16 build's moved the other way (0.034 -> 0.050), so the same build
-    passed on one CPU and failed on the other. The reference is made once and judges builds on other machines (a DVC
-    remote): it must not hold one CPU's rounding."""
+    Its bf16 matmuls run in fp32 over the same bf16 values, rounded back to bf16 (pipeline/host/bf16_matmul.py), on
+    every CPU, so the figure is the same on every x86 CPU and costs about what the fp32 pass does. With torch's
+    default kernels it depended on the CPU: with bf16 instructions (avx512_bf16, AMX) torch sends bf16 matmuls to
+    oneDNN, whose rounding differs from torch's own kernels, the ones an AVX2-only CPU runs. Seen on the tiny model's
+    spans_64 prompt: transformers' top-5 error 0.0301 through oneDNN, 0.0428 through torch's kernels, while a bf16
+    build's moved the other way (0.034 -> 0.050), so the same build passed on one CPU and failed on the other. The
+    reference is made once and judges builds on other machines (a DVC remote): it must not hold one CPU's rounding.
+    torch's own kernels everywhere (oneDNN off) made it the same too, but 5-8x slower than the fp32 pass at full
+    size (899-1125 s against 190 s here; 1539 s on an AVX2-only EPYC, issue 50)."""
     from pipeline.validation.parity import logit_errors
 
-    with torch.no_grad(), without_onednn():
+    with torch.no_grad(), bf16_matmul.Fp32Matmuls(min_rows=1):
         out = model(input_ids=torch.tensor([prompt_ids + continuation[:-1]])).logits
     ours = out[0, len(prompt_ids) - 1:].float()
     errors = logit_errors(ours, reference, continuation)

@@ -141,6 +141,20 @@ class ThreadPolicy:
 
 
 @dataclass(frozen=True)
+class Bf16Matmuls:
+    """How a bf16 build's matmuls of ``min_rows`` rows or more ran on this host (pipeline/host/bf16_matmul.py):
+    ``native`` (torch's bf16 kernels) or ``fp32`` (fp32 over the same bf16 values); the ranks' route (null where they
+    do not run on this CPU: neuron, xla), host prefill's (null where the device prefills), the CPU's bf16 flags the
+    route was chosen from, and whether PIPELINE_BF16_MATMUL chose it instead."""
+
+    ranks: str | None
+    host_prefill: str | None
+    cpu_bf16_flags: tuple[str, ...]
+    min_rows: int
+    overridden: bool
+
+
+@dataclass(frozen=True)
 class TopToken:
     token: int
     text: str
@@ -208,6 +222,8 @@ class Measured(Record):
     """Throughput with 1 .. batch_size sequences in flight, by their count (empty in a record from before batching)."""
     batch_parity: BatchParity | None = field(default=None, kw_only=True)
     """A batched build's prompts decoded together (left out at batch 1)."""
+    bf16_matmul: Bf16Matmuls | None = field(default=None, kw_only=True)
+    """A bf16 build's: how this CPU ran its matmuls of many rows (left out of an fp32 build's)."""
 
 
 @dataclass(frozen=True)

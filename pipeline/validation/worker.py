@@ -33,12 +33,14 @@ from pipeline.core.errors import ErrorRecord, InputError, PipelineError, StaleIn
 from pipeline.core.fsutil import reporting_full_disk, sha256_file, temp_dir_beside
 from pipeline.core.log import log, setup
 from pipeline.core.shape import BuildShape
+from pipeline.host import bf16_matmul
 from pipeline.host.procinfo import die_with_parent, peak_rss_bytes
 from pipeline.validation.batch import measure_concurrency, percentile, together
 from pipeline.validation.generation import Generation, Generator
 from pipeline.validation.parity import judge_logits, logit_errors, logits_of
 from pipeline.validation.records import (
     BatchParity,
+    Bf16Matmuls,
     ContextFigures,
     Costs,
     Coverage,
@@ -333,6 +335,7 @@ def run_job(job: ValidationJob) -> Measured:
                 summary, contexts = measure_throughput(gen, shape, job.throughput, filler)
                 concurrency = measure_concurrency(gen.batch, shape, job.throughput, filler)
                 threads = gen.threads
+                matmuls = bf16_matmuls(runner, gen.batch) if shape.dtype == "bf16" else None
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -348,7 +351,16 @@ def run_job(job: ValidationJob) -> Measured:
         prompts=tuple(report),
         concurrency=concurrency,
         batch_parity=batch_parity,
+        bf16_matmul=matmuls,
     )
+
+
+def bf16_matmuls(runner, batch) -> Bf16Matmuls:
+    """What validation.json records of the bf16 matmul route (pipeline/host/bf16_matmul.py)."""
+    chosen = bf16_matmul.describe(bf16_matmul.chosen())
+    return Bf16Matmuls(ranks=getattr(runner, "bf16_matmul", None), host_prefill=batch.host_bf16_matmul,
+                       cpu_bf16_flags=tuple(chosen["cpu_bf16_flags"]), min_rows=chosen["min_rows"],
+                       overridden=chosen["overridden"])
 
 
 def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:

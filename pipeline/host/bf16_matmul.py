@@ -1,0 +1,165 @@
+"""How this host runs bf16 matmuls of many rows: torch's bf16 kernels (``native``), or in fp32 over the same bf16
+values, rounded back to bf16 (``fp32``). Chosen from what the CPU reports; nothing is written.
+
+Why. On a CPU with bf16 instructions (avx512_bf16, AMX) torch hands bf16 matmuls to oneDNN, which is fast. On one
+without them (AVX2-only, as many cloud instances and CI runners are) torch's bf16 kernels' cost grows with every
+row: bench/bf16_matmul.py, 2 cores limited to AVX2, a [rows, 2560] x [2560, 10240] matmul took 1.5 ms at 1 row and
+5.9 at 4, but 143 ms at 128 rows and 561 ms at 512, where fp32 over the same values, the weight's cast included, took
+91 and 198 ms (1.6x and 2.8x faster; even at 64 rows). A decode step's few rows are faster as they are: the weight's
+cast alone (~35 ms there) costs more than it saves, so only a matmul of ``MIN_ROWS`` rows or more takes the route.
+
+What it computes. Both routes multiply the same bf16 values and accumulate in fp32 (torch's bf16 kernels accumulate
+in fp32, as oneDNN's and a NeuronCore's do), and round the result to bf16 once: they differ only in the order of the
+fp32 sums, far below bf16's rounding step, so a bf16 build's tokens and logits agree between routes to that rounding
+(tests/test_bf16_matmul.py) and parity means what it meant. The reference stage measures transformers' bf16 noise
+through the fp32 route on every CPU (``Fp32Matmuls(min_rows=1)``), so the yardstick is the same figure everywhere.
+
+Two mechanisms, one rule. Eager code (the host's prefill model, transformers in the reference stage) runs under
+``Fp32Matmuls``, a torch function mode. A loaded TorchScript rank (the cpu backend) cannot be reached by a mode: its
+graphs for ``MIN_ROWS`` rows or more are inlined and each ``aten::linear`` and ``aten::matmul`` rewritten to cast to
+fp32, multiply and cast back to its input's dtype (a no-op cast in an fp32 graph). The rank files are not touched.
+
+``PIPELINE_BF16_MATMUL=native|fp32`` overrides the choice (``auto``, the default, reads the CPU): the tests force
+the fp32 route on a CPU that has bf16 instructions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pipeline.core.errors import InputError
+
+ENV = "PIPELINE_BF16_MATMUL"
+ROUTES = ("native", "fp32")
+MIN_ROWS = 64
+"""Rows from which the fp32 route is taken where it is chosen: the break-even of the measurement above (1.04x)."""
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+"""/proc/cpuinfo flags that give torch fast bf16 matmuls (x86's AVX-512 BF16 and AMX; Arm's BF16 extension)."""
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_bf16_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """The bf16 instruction flags this CPU reports (empty: none, or no /proc/cpuinfo to read)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            present = set(value.split())
+            return tuple(flag for flag in BF16_FLAGS if flag in present)
+    return ()
+
+
+def chosen(cpuinfo: Path = CPUINFO) -> str:
+    """``native`` where the CPU has bf16 instructions, else ``fp32``; ``PIPELINE_BF16_MATMUL`` overrides."""
+    wanted = os.environ.get(ENV, "auto").strip() or "auto"
+    if wanted in ROUTES:
+        return wanted
+    if wanted != "auto":
+        raise InputError(f"{ENV}={wanted!r} is not one of auto, {', '.join(ROUTES)}: unset it to choose from the "
+                          "CPU's flags")
+    return "native" if cpu_bf16_flags(cpuinfo) else "fp32"
+
+
+def describe(route: str, cpuinfo: Path = CPUINFO) -> dict:
+    """What validation.json records of the choice: the route, the flags it was read from, the rows it starts at."""
+    return {"route": route, "cpu_bf16_flags": list(cpu_bf16_flags(cpuinfo)), "min_rows": MIN_ROWS,
+            "overridden": os.environ.get(ENV, "auto").strip() not in ("", "auto")}
+
+
+# -- eager code ------------------------------------------------------------------------------------------------------
+
+def _rows(t: torch.Tensor) -> int:
+    return t.shape[-2] if t.dim() >= 2 else 1
+
+
+class Fp32Matmuls(TorchFunctionMode):
+    """Inside it, a bf16 ``linear``/``matmul``/``bmm`` of ``min_rows`` rows or more runs in fp32 over the same values
+    and returns bf16; anything else runs as it is."""
+
+    LINEAR = {torch.nn.functional.linear}
+    MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+
+    def __init__(self, min_rows: int = MIN_ROWS):
+        super().__init__()
+        self.min_rows = min_rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.LINEAR or func in self.MATMUL:
+            a, b = args[0], args[1]
+            rows = a.numel() // max(1, a.shape[-1]) if func in self.LINEAR else _rows(a)
+            if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and rows >= self.min_rows:
+                wide = [x.float() if isinstance(x, torch.Tensor) else x for x in args]
+                return func(*wide, **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eager(route: str) -> Iterator[None]:
+    """Run the block's bf16 matmuls by ``route``."""
+    if route == "fp32":
+        with Fp32Matmuls():
+            yield
+    else:
+        yield
+
+
+# -- TorchScript ranks -------------------------------------------------------------------------------------------------
+
+_CAST = """
+    %f32 : int = prim::Constant[value=6]()
+    %no : bool = prim::Constant[value=0]()
+    %none : NoneType = prim::Constant()"""
+REWRITES = (  # (pattern, replacement): the result is cast back to the dtype the op was given
+    ("""
+graph(%x, %w, %b):
+    %y = aten::linear(%x, %w, %b)
+    return (%y)""", """
+graph(%x, %w, %b):""" + _CAST + """
+    %dt : int = prim::dtype(%w)
+    %x32 = aten::to(%x, %f32, %no, %no, %none)
+    %w32 = aten::to(%w, %f32, %no, %no, %none)
+    %y32 = aten::linear(%x32, %w32, %b)
+    %y = aten::to(%y32, %dt, %no, %no, %none)
+    return (%y)"""),
+    ("""
+graph(%a, %b):
+    %y = aten::matmul(%a, %b)
+    return (%y)""", """
+graph(%a, %b):""" + _CAST + """
+    %dt : int = prim::dtype(%a)
+    %a32 = aten::to(%a, %f32, %no, %no, %none)
+    %b32 = aten::to(%b, %f32, %no, %no, %none)
+    %y32 = aten::matmul(%a32, %b32)
+    %y = aten::to(%y32, %dt, %no, %no, %none)
+    return (%y)"""),
+)
+
+
+def graph_rows(entry: str, bucket: int, batch_size: int) -> int:
+    """Rows a rank's graph multiplies: a prefill bucket's positions, or a decode step's lines."""
+    return bucket if entry == "prefill" else batch_size
+
+
+def rewrite_rank(module: torch.jit.ScriptModule, entries: dict[str, int]) -> list[str]:
+    """Give each of ``entries`` (entry point -> its rows) with ``MIN_ROWS`` rows or more the fp32 route, before its
+    first call (its executor is built from the graph then). Returns the entries rewritten."""
+    rewritten = []
+    for entry, rows in entries.items():
+        if rows < MIN_ROWS:
+            continue
+        graph = getattr(module, entry).graph
+        torch._C._jit_pass_inline(graph)  # the linears live in submodules' methods, which decode shares
+        for pattern, replacement in REWRITES:
+            torch._C._jit_pass_custom_pattern_based_rewrite_graph(pattern, replacement, graph)
+        rewritten.append(entry)
+    return rewritten

@@ -1,0 +1,87 @@
+"""bf16 matmuls of many rows on a CPU without bf16 instructions: in fp32 over the same values (pipeline/host/
+bf16_matmul.py). The route is read from the CPU; both routes decode the same tokens, their logits equal to bf16's
+rounding; validation.json records which ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.core.errors import InputError
+from pipeline.host import bf16_matmul
+
+from .test_cpu_backend import builds, run  # noqa: F401 - builds is a fixture
+
+X86_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n"  # AVX-512 without its BF16 extension
+X86_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+
+
+@pytest.mark.parametrize("cpuinfo, flags, route", [(X86_AVX2, (), "fp32"), (X86_BF16, ("avx512_bf16",), "native"),
+                                                   (ARM_BF16, ("bf16",), "native"), (None, (), "fp32")])
+def test_the_route_is_chosen_from_the_cpus_flags(tmp_path, monkeypatch, cpuinfo, flags, route):
+    monkeypatch.delenv(bf16_matmul.ENV, raising=False)
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    assert bf16_matmul.cpu_bf16_flags(path) == flags
+    assert bf16_matmul.chosen(path) == route
+    assert bf16_matmul.describe(route, path) == {"route": route, "cpu_bf16_flags": list(flags), "min_rows": 64,
+                                                 "overridden": False}
+
+
+def test_the_environment_overrides_the_route_and_a_wrong_value_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "cpuinfo"
+    path.write_text(X86_BF16)
+    monkeypatch.setenv(bf16_matmul.ENV, "fp32")
+    assert bf16_matmul.chosen(path) == "fp32" and bf16_matmul.describe("fp32", path)["overridden"]
+    monkeypatch.setenv(bf16_matmul.ENV, "fast")
+    with pytest.raises(InputError, match=r"^PIPELINE_BF16_MATMUL='fast' is not one of auto, native, fp32: unset it"):
+        bf16_matmul.chosen(path)
+
+
+def test_the_mode_widens_bf16_matmuls_of_many_rows_only():
+    torch.manual_seed(0)
+    w = torch.randn(96, 80).bfloat16()
+    many, few = torch.randn(bf16_matmul.MIN_ROWS, 80).bfloat16(), torch.randn(4, 80).bfloat16()
+    with bf16_matmul.Fp32Matmuls():
+        wide = torch.nn.functional.linear(many, w)
+        product = many @ w.T
+        narrow = torch.nn.functional.linear(few, w)
+        fp32 = torch.nn.functional.linear(many.float(), w.float())
+    expected = torch.nn.functional.linear(many.float(), w.float()).bfloat16()
+    assert wide.dtype == torch.bfloat16 and torch.equal(wide, expected) and torch.equal(product, expected)
+    assert torch.equal(narrow, torch.nn.functional.linear(few, w))  # a decode step's rows: torch's own kernel
+    assert fp32.dtype == torch.float32  # fp32 stays fp32
+
+
+def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(builds):
+    build_dir, shape = builds(1, "device", "bf16", bucket=64)
+    module = torch.jit.load(str(build_dir / "tp_0.pt"))
+    assert bf16_matmul.rewrite_rank(module, {"prefill": 64, "decode": 1}) == ["prefill"]
+    kinds = [n.kind() for n in module.prefill.graph.nodes()]
+    linears = kinds.count("aten::linear") + kinds.count("aten::matmul")
+    assert linears > 0 and kinds.count("prim::dtype") == linears  # every one casts back to its input's dtype
+    assert "prim::dtype" not in [n.kind() for n in module.decode.graph.nodes()]
+
+
+@pytest.mark.parametrize("prefill", ["device", "host"])
+def test_both_routes_decode_the_same_tokens_with_logits_equal_to_bf16_rounding(builds, tiny_dir, prompts,
+                                                                                hf_reference, monkeypatch, prefill):
+    """A bf16 build on the tiny model, decoded on this CPU by each route (the fp32 one forced): the same greedy
+    tokens, each route as close to the fp32 reference as the other (within 1.5x: two roundings of the same sums
+    differ from each other about as much as from fp32), and not identical (the fp32 route ran)."""
+    build_dir, shape = builds(2, prefill, "bf16", bucket=64)
+    assert max(len(p) for p in prompts) >= bf16_matmul.MIN_ROWS  # a prefill of many rows, in either kind of prefill
+    found = {}
+    for route in bf16_matmul.ROUTES:
+        monkeypatch.setenv(bf16_matmul.ENV, route)
+        found[route] = run(tiny_dir, build_dir, shape, prompts)
+    moved = 0.0
+    for native, wide, (_, reference) in zip(found["native"], found["fp32"], hf_reference, strict=True):
+        assert wide.tokens == native.tokens
+        steps = min(len(native.logits), len(reference))
+        errors = [(g.logits[:steps] - reference[:steps]).abs().max().item() for g in (native, wide)]
+        assert max(errors) <= 1.5 * min(errors), errors
+        moved = max(moved, (wide.logits - native.logits).abs().max().item())
+    assert moved > 0
