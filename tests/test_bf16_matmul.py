@@ -8,9 +8,28 @@ import pytest
 import torch
 
 from pipeline.core.errors import InputError
+from pipeline.core.shape import BuildShape
 from pipeline.host import bf16_matmul
 
-from .test_cpu_backend import builds, run  # noqa: F401 - builds is a fixture
+from .test_cpu_backend import KV_MAX, build, run
+
+BUCKET = 64  # a prefill of MIN_ROWS rows: the route applies
+
+
+@pytest.fixture(scope="module")
+def bf16_builds(tiny_dir, tmp_path_factory):
+    """The tiny model's bf16 builds, by (tp_degree, prefill), each traced once."""
+    cache = {}
+
+    def get(tp: int, prefill: str):
+        if (tp, prefill) not in cache:
+            shape = BuildShape(KV_MAX, BUCKET, "bf16", prefill, tp)
+            out = tmp_path_factory.mktemp("bf16") / f"{tp}_{prefill}"
+            build(tiny_dir, out, shape)
+            cache[tp, prefill] = out, shape
+        return cache[tp, prefill]
+
+    return get
 
 X86_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n"  # AVX-512 without its BF16 extension
 X86_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n"
@@ -55,8 +74,8 @@ def test_the_mode_widens_bf16_matmuls_of_many_rows_only():
     assert fp32.dtype == torch.float32  # fp32 stays fp32
 
 
-def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(builds):
-    build_dir, shape = builds(1, "device", "bf16", bucket=64)
+def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(bf16_builds):
+    build_dir, _ = bf16_builds(1, "device")
     module = torch.jit.load(str(build_dir / "tp_0.pt"))
     assert bf16_matmul.rewrite_rank(module, {"prefill": 64, "decode": 1}) == ["prefill"]
     kinds = [n.kind() for n in module.prefill.graph.nodes()]
@@ -66,12 +85,12 @@ def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(builds):
 
 
 @pytest.mark.parametrize("prefill", ["device", "host"])
-def test_both_routes_decode_the_same_tokens_with_logits_equal_to_bf16_rounding(builds, tiny_dir, prompts,
+def test_both_routes_decode_the_same_tokens_with_logits_equal_to_bf16_rounding(bf16_builds, tiny_dir, prompts,
                                                                                 hf_reference, monkeypatch, prefill):
     """A bf16 build on the tiny model, decoded on this CPU by each route (the fp32 one forced): the same greedy
     tokens, each route as close to the fp32 reference as the other (within 1.5x: two roundings of the same sums
     differ from each other about as much as from fp32), and not identical (the fp32 route ran)."""
-    build_dir, shape = builds(2, prefill, "bf16", bucket=64)
+    build_dir, shape = bf16_builds(2, prefill)
     assert max(len(p) for p in prompts) >= bf16_matmul.MIN_ROWS  # a prefill of many rows, in either kind of prefill
     found = {}
     for route in bf16_matmul.ROUTES:

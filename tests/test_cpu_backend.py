@@ -60,10 +60,10 @@ def run(weights_dir: Path, build_dir: Path, shape: BuildShape, prompts, forced=N
 def builds(tiny_dir, tmp_path_factory):
     cache = {}
 
-    def get(tp: int, prefill: str, dtype: str = "fp32", bucket: int = BUCKET) -> tuple[Path, BuildShape]:
-        shape = BuildShape(KV_MAX, bucket, dtype, prefill, tp)
+    def get(tp: int, prefill: str, dtype: str = "fp32") -> tuple[Path, BuildShape]:
+        shape = BuildShape(KV_MAX, BUCKET, dtype, prefill, tp)
         if shape not in cache:
-            out = tmp_path_factory.mktemp("builds") / f"{tp}_{prefill}_{dtype}_{bucket}"
+            out = tmp_path_factory.mktemp("builds") / f"{tp}_{prefill}_{dtype}"
             build(tiny_dir, out, shape)
             cache[shape] = out
         return cache[shape], shape
