@@ -74,8 +74,21 @@ def test_the_mode_widens_bf16_matmuls_of_many_rows_only():
     assert fp32.dtype == torch.float32  # fp32 stays fp32
 
 
+def test_a_weight_widened_in_slices_gives_what_it_gives_widened_whole(monkeypatch):
+    """The eager route widens a weight a slice of outputs at a time (E4B's vocabulary head is 2.7 GB in fp32): the
+    same bf16 result as widened whole, bias included."""
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(2, 70, 48).bfloat16(), torch.randn(100, 48).bfloat16(), torch.randn(100).bfloat16()
+    whole = torch.nn.functional.linear(x.float(), w.float(), bias.float()).bfloat16()
+    monkeypatch.setattr(bf16_matmul, "SLICE_ELEMENTS", 48 * 7)  # slices of 7 outputs, the last of 2
+    with bf16_matmul.Fp32Matmuls():
+        sliced = torch.nn.functional.linear(x, w, bias)
+    assert sliced.dtype == torch.bfloat16 and sliced.shape == (2, 70, 100)
+    assert torch.allclose(sliced.float(), whole.float(), rtol=2**-7, atol=0)  # to bf16's rounding, at most
+
+
 def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(bf16_builds):
-    build_dir, _ = bf16_builds(1, "device")
+    build_dir, _ = bf16_builds(2, "device")  # loaded, not run: a rank's collectives need no group until called
     module = torch.jit.load(str(build_dir / "tp_0.pt"))
     assert bf16_matmul.rewrite_rank(module, {"prefill": 64, "decode": 1}) == ["prefill"]
     kinds = [n.kind() for n in module.prefill.graph.nodes()]
