@@ -67,6 +67,8 @@ def expand_derived(arg: str) -> list[str] | None:
     """``+variant=512_fp32+kv1024`` as the overrides that build it: ``+variant=512_fp32 variant.kv_max=1024``
     (params.yaml may list such a name: a DVC knob sweep). None for any other argument; a ``ConfigError`` for a
     derived name that is not the one those overrides make (a field at the file's own value, or out of order)."""
+    import yaml
+
     from pipeline.core import derived_names
     from pipeline.core.errors import ConfigError
     from pipeline.core.shape import BuildShape
@@ -84,7 +86,8 @@ def expand_derived(arg: str) -> list[str] | None:
             raise ConfigError(f"+variant={arg[9:]}: {part!r} is not a field of a derived name "
                               f"({derived_names.spellings_help()})")
         fields[found[0]] = found[1]
-    canonical = derived_names.derived_name(name, BuildShape(**{**given, **fields}), given)
+    read = {key: yaml.safe_load(value) for key, value in fields.items()}  # "1024" -> 1024, "[16,64]" -> [16, 64]
+    canonical = derived_names.derived_name(name, BuildShape(**{**given, **read}), given)
     if canonical != arg[len("+variant="):]:
         raise ConfigError(f"+variant={arg[9:]} is not how those fields are named: write +variant={canonical} (fields "
                           f"in the order {', '.join(derived_names.FIELDS)}, each one that differs from conf/variant/"
@@ -105,11 +108,11 @@ def variant_file(name: str) -> dict:
 
 def changed_fields(variant, name: str) -> list[str]:
     """``key=value (file: value)`` for each field of ``variant`` that differs from conf/variant/<name>.yaml's."""
-    from pipeline.core.derived_names import FIELDS
+    from pipeline.core.derived_names import FIELDS, text
 
     given = variant_file(name)
     return [f"variant.{key}={getattr(variant, key)} (the file: {given[key]})" for key in FIELDS
-            if str(getattr(variant, key)) != str(given[key])]
+            if text(key, getattr(variant, key)) != text(key, given[key])]
 
 
 def derived_name(variant, name: str) -> str:

@@ -62,10 +62,12 @@ def test_params_yaml_lists_only_existing_variants():
             "2048_fp32"} <= set(params["variants"])
     assert set(params) == {"model", "backend", "publish", "hardware", "variants", "sweep"}  # what dvc.yaml reads
     # a sweep is an experiment's (dvc exp run -S 'sweep.base=[512_fp32]' -S sweep.kv_max=1024): none by default, and
-    # its fields are the ones a derived name spells (tp_degree aside: both NeuronCores of an inf2 device)
+    # its fields are the ones a derived name spells (tp_degree aside: both NeuronCores of an inf2 device; and
+    # smaller_buckets, a list, which DVC cannot put in a stage's command: "Cannot interpolate data of type 'list'")
     from pipeline.core.derived_names import FIELDS
 
-    assert params["sweep"] == {"base": [], **{key: "base" for key in FIELDS if key != "tp_degree"}}
+    assert params["sweep"] == {"base": [], **{key: "base" for key in FIELDS
+                                              if key not in ("tp_degree", "smaller_buckets")}}
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -194,7 +196,8 @@ def test_choices_hash_and_write_as_the_plain_strings_they_stand_for():
 
     cfg = load_config(composed(["+variant=512_bf16_host", "backend=neuron"]), "512_bf16_host")
     written = yaml.safe_load((CONF / "variant" / "512_bf16_host.yaml").read_text())
-    assert json.loads(json.dumps(asdict(cfg.variant))) == written  # build.json's "variant", as the conf file says
+    variant = json.loads(json.dumps(asdict(cfg.variant)))  # build.json's "variant", as the conf file says
+    assert variant.pop("smaller_buckets") == [] and variant == written  # (a host-prefill file has no ladder)
     settings = trace.build_settings(cfg, SimpleNamespace(weights_digest="w" * 64), cfg.backend.name)
     validate = {"parity": asdict(cfg.validate.parity), "throughput": asdict(cfg.validate.throughput)}
     assert fingerprint(settings) == fingerprint(plain(settings))
@@ -216,6 +219,23 @@ def test_every_field_of_the_build_shape_changes_the_derived_name(key, value):
     name = derived_name(replace(base, **{key: value}), "512_bf16")
     assert name != "512_bf16" and name.startswith("512_bf16+")
     assert expand_derived(f"+variant={name}") == ["+variant=512_bf16", f"variant.{key}={value}"]
+
+
+@pytest.mark.parametrize(("ladder", "part", "override"), [([16, 64], "sb16-64", "[16,64]"), ([], "sbnone", "[]")])
+def test_a_ladder_is_spelled_in_a_derived_name_and_read_back(ladder, part, override):
+    """variant.smaller_buckets, a list: ``512_bf16+sb16-64`` (an empty ladder ``sbnone``), and the name stands for
+    the override again (as Hydra reads a list)."""
+    from dataclasses import replace
+
+    from pipeline.core.shape import BuildShape
+    from pipeline.run import derived_name, expand_derived, variant_file
+
+    base = BuildShape(**variant_file("512_bf16"))
+    assert base.smaller_buckets == (32,)
+    name = derived_name(replace(base, smaller_buckets=tuple(ladder)), "512_bf16")
+    assert name == f"512_bf16+{part}"
+    assert expand_derived(f"+variant={name}") == ["+variant=512_bf16", f"variant.smaller_buckets={override}"]
+    assert derived_name(replace(base, smaller_buckets=[32]), "512_bf16") == "512_bf16"  # a list as the file's tuple
 
 
 def test_the_derived_spelling_covers_every_shape_field_in_order():

@@ -112,9 +112,9 @@ def test_model_builder_plan_routes_prefill_and_decode_apart(tiny_dir, tmp_path, 
     shape = cfg.variant.shape
     spec = load_spec(tiny_dir)
     plan = model_builder_plan(shape)
-    assert plan == ["prefill", "decode"]
+    assert plan == [*(f"prefill_{b}" for b in shape.smaller_buckets), "prefill", "decode"]
     inputs = {key: entry_inputs(spec, shape, key) for key in plan}
-    assert len({router_key(i) for i in inputs.values()}) == 2  # NxDModel routes each call by its input shapes
+    assert len({router_key(i) for i in inputs.values()}) == len(plan)  # NxDModel routes each call by its shapes
     # ModelBuilder's executor is traced with one key's inputs (NxD v2.28.0 model_builder.py ~1091): every key takes
     # as many
     assert len({len(i) for i in inputs.values()}) == 1
@@ -127,6 +127,7 @@ def test_a_one_token_prefill_bucket_is_refused_before_work(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="variant.bucket=1"):
         NeuronBackend().trace(TraceRequest(CheckpointRef(tiny_dir, "model."), shape), tmp_path / "build")
     assert list(tmp_path.iterdir()) == []
+    assert "at least 2 tokens" in shape_problems(BuildShape(256, 64, "bf16", "device", 2, 1, (1, 16)))[0]
 
 
 # -- the traced module, its aliases and its checkpoint ---------------------------------------------------------------

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -538,6 +539,23 @@ def test_a_variant_the_prompts_do_not_cover_is_refused(project):
     chosen, coverage = select_prompts(prompts, BuildShape(512, 128, "fp32", "device", 2), 32, None)
     assert coverage == Coverage(near_bucket=("near_128",), multi_bucket=("near_512",))
     assert len(chosen) == 5
+
+
+def test_a_ladder_bucket_no_prompt_ends_in_is_refused():
+    """Each smaller bucket's graph must run in parity: some prompt's last part ends in it (the tiny model's prompts
+    are 26, 60, 118, 198 and 478 tokens; at bucket 128 they end in 26, 60, 118, 70 and 94 tokens)."""
+    from pipeline.core.shape import BuildShape
+    from pipeline.validation.records import Coverage
+    from pipeline.validation.worker import select_prompts
+
+    prompts = [SimpleNamespace(name=n, input_ids=[0] * k) for n, k in
+               (("capital", 26), ("near_64", 60), ("near_128", 118), ("spans_64", 198), ("near_512", 478))]
+    chosen, coverage = select_prompts(prompts, BuildShape(512, 128, "fp32", "device", 2, 1, (32, 64)), 32, None)
+    assert coverage == Coverage(near_bucket=("near_128",), multi_bucket=("near_512",),
+                                smaller_buckets={"32": ("capital",), "64": ("near_64",)})
+    with pytest.raises(InputError, match=r"ends in the prefill bucket\(s\) \[16\] of variant.smaller_buckets=\[16, "
+                                         r"64\] .* drop those buckets, or add a prompt"):
+        select_prompts(prompts, BuildShape(512, 128, "fp32", "device", 2, 1, (16, 64)), 32, None)
 
 
 @pytest.mark.across_versions("torch", "transformers")  # torch's numerics, transformers' reference

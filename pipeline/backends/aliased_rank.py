@@ -19,6 +19,9 @@ def shape_problems(shape: BuildShape) -> list[str]:
     if shape.prefill == "device" and shape.bucket < 2:
         found.append(f"variant.bucket={shape.bucket} with prefill=device: neuronx-distributed routes prefill and "
                      "decode calls by their input shapes, so a prefill bucket must hold at least 2 tokens")
+    elif shape.smaller_buckets and shape.smaller_buckets[0] < 2:
+        found.append(f"variant.smaller_buckets={list(shape.smaller_buckets)}: neuronx-distributed routes prefill and "
+                     "decode calls by their input shapes, so a prefill bucket must hold at least 2 tokens")
     return found
 
 

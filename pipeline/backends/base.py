@@ -125,12 +125,12 @@ def example_inputs(spec, tokens: int, rows: int = 1) -> tuple[torch.Tensor, ...]
 
 
 def entry_inputs(spec, shape: BuildShape, entry: str) -> tuple[torch.Tensor, ...]:
-    """Example inputs of ``entry`` (``prefill``: a bucket of one sequence; ``decode``: one token of each of the
+    """Example inputs of ``entry`` (a prefill graph: a bucket of one sequence; ``decode``: one token of each of the
     batch's sequences) for a build of ``shape``. At batch above 1 both take ``seq_ids`` too, so that every graph of
     a build takes the same inputs: neuronx-distributed traces ModelBuilder's executor with one key's example inputs
     (NxD v2.28.0 trace/model_builder.py ~1091), and NxDI gives every graph the same inputs for this reason."""
-    if entry == "prefill":
-        inputs = example_inputs(spec, shape.bucket)
+    if entry != "decode":
+        inputs = example_inputs(spec, shape.entry_rows(entry)[1])
         return (*inputs, torch.tensor([0])) if shape.batched else inputs
     inputs = example_inputs(spec, 1, shape.batch_size)
     return (*inputs, torch.arange(shape.batch_size)) if shape.batched else inputs

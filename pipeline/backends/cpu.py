@@ -16,6 +16,7 @@ Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -98,6 +99,10 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
         # example inputs into the file, and what its pickler memoizes there depends on what else is alive (batch 1's
         # bytes are kept as they were).
         examples = {e: entry_inputs(spec, shape, e) for e in ("prefill", "decode")}
+        for entry in shape.prefill_entries:  # the ladder's smaller buckets: the same method, traced at their size
+            examples.setdefault(entry, entry_inputs(spec, shape, entry))
+            if not hasattr(module, entry):
+                setattr(module, entry, module.prefill)
         traced = torch.jit.trace_module(module, {e: examples[e] for e in shape.entries}, check_trace=False)
         for name, buf in traced.named_buffers():
             if "_cache_" in name:
@@ -118,8 +123,7 @@ def _serve_rank(rank: int, job: ServeJob, conn) -> None:
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
     if job.bf16_matmul == "fp32" and shape.dtype == "bf16":  # this CPU has no bf16 instructions
-        bf16_matmul.rewrite_rank(module, {e: bf16_matmul.graph_rows(e, shape.bucket, shape.batch_size)
-                                          for e in shape.entries})
+        bf16_matmul.rewrite_rank(module, {e: math.prod(shape.entry_rows(e)) for e in shape.entries})
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
 

@@ -98,11 +98,11 @@ def layer_activations(spec: ModelSpec, shape: BuildShape, tokens: int, rows: int
 
 
 def estimate(spec: ModelSpec, shape: BuildShape) -> DeviceMemory:
-    """One rank's device memory for ``shape`` of the model ``spec`` describes (both graphs of device prefill, the
-    decode graph of host prefill)."""
+    """One rank's device memory for ``shape`` of the model ``spec`` describes (every graph of device prefill, a
+    prefill graph per bucket of the ladder and decode; the decode graph of host prefill)."""
     from pipeline.recipe.plan import ShardPlan
 
-    calls = [(1, shape.batch_size)] + ([(shape.bucket, 1)] if shape.prefill == "device" else [])
+    calls = [(1, shape.batch_size)] + [(tokens, 1) for tokens in shape.prefill_buckets]  # a graph each
     return DeviceMemory(weights=ShardPlan(spec, shape.tp_degree).rank_bytes(shape.torch_dtype),
                         kv=kv_bytes(spec, shape),
                         scratch=2 * max(layer_activations(spec, shape, tokens, rows) for tokens, rows in calls),

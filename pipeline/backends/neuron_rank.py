@@ -212,8 +212,10 @@ class RankInstance:
 
 
 def model_builder_plan(shape: BuildShape) -> list[str]:
-    """ModelBuilder's keys, one bucket each: the entry points, whose example inputs ``entry_inputs`` makes."""
-    return ["prefill", "decode"]
+    """ModelBuilder's keys, one bucket each: the entry points (a prefill graph per bucket of the ladder, decode),
+    whose example inputs ``entry_inputs`` makes. NxDModel routes a call to the graph whose example inputs had its
+    shapes (``router_key``), so the ladder's prefill graphs, each of its own token count, never collide."""
+    return list(shape.entries)
 
 
 def router_key(inputs: tuple[torch.Tensor, ...]) -> str:

@@ -357,8 +357,8 @@ class ProcessRunner(RankRunner):
     def prefill(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
         if "prefill" not in self.shape.entries:
             raise RuntimeError("this build decodes only (prefill=host): seed the KV with seed_kv instead")
-        return self._step("prefill", *graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index,
-                                                   seq_ids))
+        entry = self.shape.prefill_entry(embeds.shape[1])  # the graph of the call's bucket
+        return self._step(entry, *graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index, seq_ids))
 
     def decode(self, embeds, per_layer_tokens, positions, last_index, seq_ids=None):
         return self._step("decode", *graph_inputs(self.shape, embeds, per_layer_tokens, positions, last_index,

@@ -7,12 +7,13 @@ updated KV cache (the greedy token is taken on the host). Runs in its own proces
 it is imported), started by ``pipeline/backends/xla.py`` through the rank runtime (``ranks.py``).
 
 Trace, per rank: build the rank with ``XlaParallel`` (torch-xla's collectives), move it to the XLA device, lower each
-entry point (``prefill`` over a bucket, ``decode`` over one token, which is also host prefill's decode-with-state) to
-its HLO module without running it (anything that would run part of it on the way is refused), record it
-(``hlo.GraphRecord``), and refuse an operator the compiler does not list or, with two ranks, a graph without its
-collectives. With one rank the graphs then run: after a warm-up, more decode steps and another prefill must compile
-nothing new, call no host fallback, and alias every KV cache to its update (torch-xla's metrics). Two ranks'
-collectives do not execute on torch-xla 2.8's CPU client (``TP_LIMIT``): their graphs are lowered, not run.
+entry point (a prefill graph per bucket of the ladder, ``decode`` over one token, which is also host prefill's
+decode-with-state) to its HLO module without running it (anything that would run part of it on the way is refused),
+record it (``hlo.GraphRecord``), and refuse an operator the compiler does not list or, with two ranks, a graph
+without its collectives. With one rank the graphs then run: after a warm-up, more decode steps and each prefill graph
+again must compile nothing new, call no host fallback, and alias every KV cache to its update (torch-xla's
+metrics). Two ranks' collectives do not execute on torch-xla 2.8's CPU client (``TP_LIMIT``): their graphs are
+lowered, not run.
 
 Writes ``tp_<rank>.pt`` per rank: the rank's weights in the build's dtype, the checkpoint's config (what the module
 is built from), the digest of the code that builds the module, and the records of its graphs (``torch.save`` of
@@ -253,15 +254,15 @@ def run_checks(module, spec, shape: BuildShape) -> GraphChecks:
     started = time.perf_counter()
     for i in range(WARM_DECODE_STEPS):
         step("decode", shape.bucket + i)
-    if "prefill" in shape.entries:
-        step("prefill", 0)
+    for entry in shape.prefill_entries:  # each bucket of the ladder again
+        step(entry, 0)
     steady_s = time.perf_counter() - started
     caches = len(module.caches())
     found = GraphChecks(
         executed=True,
         compiles_at_warm_up=warm,
         compiles_after_warm_up=counter("UncachedCompile") - warm,
-        steps_after_warm_up=WARM_DECODE_STEPS + ("prefill" in shape.entries),
+        steps_after_warm_up=WARM_DECODE_STEPS + len(shape.prefill_entries),
         host_fallbacks=sorted(met.executed_fallback_ops()),
         # one sample per compiled graph
         aliased_inputs_per_graph=[int(v) for _, v in aliased[2]] if aliased else [],

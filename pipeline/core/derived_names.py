@@ -18,7 +18,9 @@ from pipeline.core.shape import BuildShape
 
 # A field's value in a derived name: "{}" is the value itself (a choice's values are unlike any other field's).
 SPELLING = {"kv_max": "kv{}", "bucket": "b{}", "dtype": "{}", "prefill": "{}", "tp_degree": "tp{}",
-            "batch_size": "bs{}"}
+            "batch_size": "bs{}", "smaller_buckets": "sb{}"}
+LISTS = {"smaller_buckets"}
+"""Fields holding a list of counts: spelled joined by '-' (``sb16-64``), an empty one ``sbnone``."""
 
 
 def spelled_fields(shape: type) -> tuple[str, ...]:
@@ -35,8 +37,15 @@ _TYPES = typing.get_type_hints(BuildShape)
 
 
 def spell(key: str, value) -> str:
-    """``kv_max``, 1024 -> ``kv1024``."""
-    return SPELLING[key].format(value)
+    """``kv_max``, 1024 -> ``kv1024``; ``smaller_buckets``, [16, 64] -> ``sb16-64``."""
+    return SPELLING[key].format(text(key, value))
+
+
+def text(key: str, value) -> str:
+    """A field's value as a name spells it (a list's items joined by '-', ``none`` when empty)."""
+    if key in LISTS:
+        return "-".join(str(v) for v in value) or "none"
+    return str(value)
 
 
 def choices(key: str) -> list[str] | None:
@@ -52,6 +61,11 @@ def read_part(part: str) -> tuple[str, str] | None:
         if not part.startswith(prefix):
             continue
         value, allowed = part[len(prefix):], choices(key)
+        if key in LISTS:
+            items = [] if value == "none" else value.split("-")
+            if all(v.isascii() and v.isdigit() for v in items):
+                return key, "[" + ",".join(items) + "]"
+            continue
         if (value in allowed) if allowed else (value.isascii() and value.isdigit()):
             return key, value
     return None
@@ -59,12 +73,14 @@ def read_part(part: str) -> tuple[str, str] | None:
 
 def spellings_help() -> str:
     """What a part of a derived name may be, for a refusal: ``kv<N>, b<N>, bf16 or fp32, device or host, tp<N>,
-    bs<N>``."""
-    return ", ".join(" or ".join(choices(key)) if choices(key) else spell(key, "<N>") for key in FIELDS)
+    bs<N>, sb<N>-<N> or sbnone``."""
+    return ", ".join(" or ".join(choices(key)) if choices(key) else
+                     f"{spell(key, ['<N>', '<N>'])} or {spell(key, [])}" if key in LISTS else spell(key, "<N>")
+                     for key in FIELDS)
 
 
 def derived_name(name: str, shape: BuildShape, given: dict) -> str:
     """``name`` with a part for each field of ``shape`` that differs from ``given`` (the variant file's fields), in
     the shape's field order."""
     return "+".join([name, *[spell(key, getattr(shape, key)) for key in FIELDS
-                             if str(getattr(shape, key)) != str(given[key])]])
+                             if text(key, getattr(shape, key)) != text(key, given[key])]])

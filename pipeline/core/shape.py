@@ -63,6 +63,15 @@ class BuildShape:
     """Sequences the graphs decode at once (NxDI's and optimum-neuron's ``batch_size``): the KV caches hold this many,
     a decode step takes one token of each, and a prefill fills one of them (its cache line, ``seq_ids``). 1 keeps
     the graphs every batch-1 build has always had."""
+    smaller_buckets: tuple[int, ...] = added(default=())
+    """Prefill buckets below ``bucket``, increasing: with ``bucket`` they are the ladder (NxDI's
+    ``context_encoding_buckets``), a prefill graph each. A prompt runs ``bucket`` tokens per call while more remain,
+    and its last part (all of a short prompt) in the smallest bucket that holds it, so a chat turn does not pay for a
+    whole ``bucket``. Empty: one bucket, the graphs a build without a ladder has always had."""
+
+    def __post_init__(self) -> None:
+        # OmegaConf hands a list (and a record's reader a tuple); a tuple keeps the shape hashable.
+        self.smaller_buckets = tuple(self.smaller_buckets)
 
     @property
     def shape(self) -> BuildShape:
@@ -97,7 +106,43 @@ class BuildShape:
             fit = self.kv_max - self.kv_max % self.bucket
             found.append(f"variant.kv_max={self.kv_max} is not a multiple of variant.bucket={self.bucket}: a padded "
                          f"last bucket would run past the cache; use kv_max={fit} or {fit + self.bucket}")
+        ladder = list(self.smaller_buckets)
+        if ladder and self.prefill != Prefill.device:
+            found.append(f"variant.smaller_buckets={ladder} is for prefill=device: host prefill runs a prompt on the "
+                         "host, with no prefill graph on the ranks; set smaller_buckets=[]")
+        elif ladder and (any(b < 1 for b in ladder) or ladder != sorted(set(ladder)) or ladder[-1] >= self.bucket):
+            found.append(f"variant.smaller_buckets={ladder} must be increasing, each at least 1 and below "
+                         f"variant.bucket={self.bucket} (the largest bucket, a full prefill call)")
         return found
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The ladder: ``smaller_buckets`` and ``bucket``, increasing (empty for host prefill)."""
+        return (*self.smaller_buckets, self.bucket) if self.prefill == Prefill.device else ()
+
+    def bucket_for(self, tokens: int) -> int:
+        """The smallest prefill bucket that holds ``tokens`` (at most ``bucket``; ``bucket`` for host prefill, whose
+        coverage of the validation prompts is still told in buckets)."""
+        return next(b for b in (*self.smaller_buckets, self.bucket) if b >= min(tokens, self.bucket))
+
+    def prefill_entry(self, tokens: int) -> str:
+        """The prefill graph of a bucket: ``prefill`` for ``bucket`` (as every build without a ladder names it),
+        ``prefill_<tokens>`` for a smaller one."""
+        if tokens not in self.prefill_buckets:
+            raise ValueError(f"{tokens} tokens is none of this build's prefill buckets {list(self.prefill_buckets)}")
+        return "prefill" if tokens == self.bucket else f"prefill_{tokens}"
+
+    def entry_rows(self, entry: str) -> tuple[int, int]:
+        """``(sequences, tokens)`` one call of ``entry`` runs: a decode step one token of every line, a prefill one
+        sequence's bucket."""
+        if entry == "decode":
+            return self.batch_size, 1
+        if entry == "prefill":
+            return 1, self.bucket
+        tokens = entry.removeprefix("prefill_")
+        if not (tokens.isdigit() and int(tokens) in self.smaller_buckets):
+            raise ValueError(f"{entry!r} is none of this build's entry points {list(self.entries)}")
+        return 1, int(tokens)
 
     @property
     def batched(self) -> bool:
@@ -107,8 +152,15 @@ class BuildShape:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """The traced entry points: device prefill has a prefill graph next to decode; host prefill decodes only."""
-        return ("prefill", "decode") if self.prefill == "device" else ("decode",)
+        """The traced entry points: device prefill has a prefill graph per bucket next to decode (the ladder's
+        smaller ones first); host prefill decodes only."""
+        smaller = tuple(self.prefill_entry(b) for b in self.smaller_buckets)
+        return (*smaller, "prefill", "decode") if self.prefill == "device" else ("decode",)
+
+    @property
+    def prefill_entries(self) -> tuple[str, ...]:
+        """The prefill graphs, one per bucket of the ladder (none for host prefill)."""
+        return tuple(e for e in self.entries if e != "decode")
 
 
 def rank_members(tp_degree: int) -> list[str]:

@@ -1,11 +1,12 @@
 """The one place that knows a build's graphs: it turns sequences into the graphs' inputs and their outputs into each
 sequence's logits.
 
-- A **prefill call** of a sequence. Device prefill runs its prompt through the ``prefill`` graph a bucket per call
-  (the last bucket padded, the padding's positions continuing the sequence so that nothing attends to them) into its
-  cache line; host prefill runs the whole prompt through the host's prefill model and seeds the sequence's line of
-  every rank with its KV heads (head r to rank r). At batch 1 the caches are zeroed before a prompt, as they always
-  were; at batch above 1 the other lines are in use and only the sequence's own is written.
+- A **prefill call** of a sequence. Device prefill runs its prompt through the prefill graphs into its cache line,
+  ``bucket`` tokens per call while more remain, then the rest (all of a short prompt) in the smallest bucket of the
+  ladder that holds it (``variant.smaller_buckets``), padded, the padding's positions continuing the sequence so that
+  nothing attends to them; host prefill runs the whole prompt through the host's prefill model and seeds the
+  sequence's line of every rank with its KV heads (head r to rank r). At batch 1 the caches are zeroed before a
+  prompt, as they always were; at batch above 1 the other lines are in use and only the sequence's own is written.
 - A **decode step**: one token per line, each at its sequence's own position; a line with no sequence decodes the
   padding token and writes nothing (its ``seq_ids`` entry is -1). Rank 0's logits come back one row per line.
 
@@ -111,8 +112,10 @@ class BatchRunner:
     def _device_prefill_call(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
         if seq.prefilled == 0 and not self.shape.batched:
             self._ranks("reset")  # batch 1's one line: zeroed before each prompt, as it always was
-        bucket = self.shape.bucket
         start = seq.prefilled
+        # Full buckets while more remain, then the smallest that holds the rest. Every call before the last was a
+        # full bucket and kv_max is a multiple of it, so a padded call never runs past the cache.
+        bucket = self.shape.bucket_for(len(seq.prompt) - start)
         chunk = seq.prompt[start:start + bucket]
         padded = chunk + [self.pad_id] * (bucket - len(chunk))
         embeds, per_layer = self.embed(padded)

@@ -167,14 +167,10 @@ graph(%a, %b):""" + _CAST + """
 )
 
 
-def graph_rows(entry: str, bucket: int, batch_size: int) -> int:
-    """Rows a rank's graph multiplies: a prefill bucket's positions, or a decode step's lines."""
-    return bucket if entry == "prefill" else batch_size
-
-
 def rewrite_rank(module: torch.jit.ScriptModule, entries: dict[str, int]) -> list[str]:
-    """Give each of ``entries`` (entry point -> its rows) with ``MIN_ROWS`` rows or more the fp32 route, before its
-    first call (its executor is built from the graph then). Returns the entries rewritten."""
+    """Give each of ``entries`` (entry point -> the rows it multiplies: ``BuildShape.entry_rows``'s product) with
+    ``MIN_ROWS`` rows or more the fp32 route, before its first call (its executor is built from the graph then).
+    Returns the entries rewritten."""
     rewritten = []
     for entry, rows in entries.items():
         if rows < MIN_ROWS:

@@ -17,7 +17,7 @@ def cell(value: Any, fmt: str = "{}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
-HEADER = ("| version | kv_max | bucket | dtype | prefill | tp | batch | files | backend / compiler | tok/s "
+HEADER = ("| version | kv_max | buckets | dtype | prefill | tp | batch | files | backend / compiler | tok/s "
           "| tok/s, full batch | first token ms | parity | signed |\n" + "|---" * 14 + "|")
 
 
@@ -29,7 +29,8 @@ def _row(m: Manifest) -> str:
     v, figures = m.variant, Headline.of(m)
     parity = figures.parity
     parity_text = "–" if parity.passed is None else f"{'pass' if parity.passed else 'FAIL'} ({parity.mode})"
-    return (f"| `{m.version}` | {v.kv_max} | {v.bucket} | {v.dtype} | {v.prefill} | {v.tp_degree} | {v.batch_size} "
+    buckets = ", ".join(str(b) for b in (*v.smaller_buckets, v.bucket))  # the prefill ladder, its largest last
+    return (f"| `{m.version}` | {v.kv_max} | {buckets} | {v.dtype} | {v.prefill} | {v.tp_degree} | {v.batch_size} "
             f"| {_files(m)} | {m.backend} `{m.compiler.id}` | {cell(figures.tokens_per_s, '{:.1f}')} "
             f"| {cell(figures.aggregate_tokens_per_s, '{:.1f}')} | {cell(figures.ttft_ms, '{:.0f}')} | {parity_text} "
             f"| {'yes' if m.signature else 'no'} |")

@@ -247,10 +247,12 @@ class WorkerResult(Record):
 
 @dataclass(frozen=True)
 class Coverage:
-    """Which validation prompts cover the variant's bucket: one near a bucket's size, one spanning several."""
+    """Which validation prompts cover the variant's buckets: one near a bucket's size, one spanning several, and for
+    each smaller bucket of the ladder those whose last prefill call runs in it."""
 
     near_bucket: tuple[str, ...]
     multi_bucket: tuple[str, ...]
+    smaller_buckets: dict[str, tuple[str, ...]] = added(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -88,16 +88,32 @@ def select_prompts(prompts: Sequence[Prompt], shape: BuildShape, max_new_tokens:
         raise InputError(f"no validation prompt fits variant.kv_max={shape.kv_max} with {max_new_tokens} new tokens: "
                          "add a shorter prompt to validate.prompts")
     lengths = {prompts[i].name: len(prompts[i].input_ids) for i in chosen}
-    near = [n for n, length in lengths.items() if shape.bucket // 2 < length <= shape.bucket]
+    near = [n for n, length in lengths.items()
+            if shape.bucket // 2 < length <= shape.bucket and shape.bucket_for(length) == shape.bucket]
     spans = [n for n, length in lengths.items() if length > 2 * shape.bucket]
-    coverage = Coverage(near_bucket=tuple(near), multi_bucket=tuple(spans))
-    if not names and shape.prefill == "device" and (not near or not spans):
-        missing = [what for what, found in (("one between half a bucket and a bucket", near),
-                                            ("one longer than two buckets", spans)) if not found]
+    ladder = {str(b): tuple(n for n, length in lengths.items() if last_call(shape, length) == b)
+              for b in shape.smaller_buckets}
+    coverage = Coverage(near_bucket=tuple(near), multi_bucket=tuple(spans), smaller_buckets=ladder)
+    if names or shape.prefill != "device":
+        return chosen, coverage
+    missing = [what for what, found in (("one between half a bucket and a bucket", near),
+                                        ("one longer than two buckets", spans)) if not found]
+    if missing:
         raise InputError(f"the validation prompts that fit {shape.kv_max}/{shape.bucket} lack {' and '.join(missing)} "
                          f"(lengths: {lengths}): add prompts to validate.prompts (max_tokens near {shape.bucket} and "
                          f"above {2 * shape.bucket}, below {shape.kv_max - max_new_tokens})")
+    unused = [int(b) for b, found in ladder.items() if not found]
+    if unused:
+        raise InputError(f"no validation prompt that fits {shape.kv_max}/{shape.bucket} ends in the prefill bucket(s) "
+                         f"{unused} of variant.smaller_buckets={list(shape.smaller_buckets)} (lengths: {lengths}), so "
+                         "their graphs would ship unchecked: drop those buckets, or add a prompt to validate.prompts "
+                         "whose last part is just below each")
     return chosen, coverage
+
+
+def last_call(shape: BuildShape, length: int) -> int:
+    """The bucket a prompt of ``length`` tokens ends in (decoding/runner.py: full buckets while more remain)."""
+    return shape.bucket_for(length - (length - 1) // shape.bucket * shape.bucket)
 
 
 def first_divergence(ours: list[int], reference: list[int]) -> int | None:
