@@ -230,9 +230,11 @@ def test_every_shape_the_generator_produces_routes_to_a_traced_bucket(tiny_dir, 
             gen.generate(ids, 4, forced=[5, 6, 7, 8])
         # and all at once, as serve and validation decode a batch (more sequences than lines: some wait)
         BatchEngine(gen.batch).run(*[gen.sequence(ids, 4) for ids in prompts * shape.batch_size])
-    assert {entry for entry, _ in runner.calls} == {"prefill", "decode"}
-    for entry, key in runner.calls:
-        assert key == traced[entry], f"a {entry} call with shapes {key} matches no traced bucket {traced}"
+    # every call routes to a traced graph of its kind, and every graph (each bucket of a ladder) is called
+    graphs = {"decode": {traced["decode"]}, "prefill": {traced[e] for e in shape.prefill_entries}}
+    for kind, key in runner.calls:
+        assert key in graphs[kind], f"a {kind} call with shapes {key} matches no traced bucket {traced}"
+    assert {key for _, key in runner.calls} == set(traced.values())
 
 
 def test_the_alias_map_names_the_modules_own_parameters_in_output_order(tiny_dir, tmp_path):
@@ -325,7 +327,7 @@ def test_every_shipped_variant_of_e4b_fits_a_neuroncore_and_the_estimate_counts_
         shape = neuron_config(Path("/nonexistent"), variant).variant.shape
         need = neuron_memory.estimate(spec, shape)
         assert neuron_memory.fit_problem(spec, shape) is None, (variant, need.describe())
-        assert need.programs == neuron_memory.PROGRAM_BYTES * (2 if shape.prefill == "device" else 1)
+        assert need.programs == neuron_memory.PROGRAM_BYTES * len(shape.entries)  # a graph per bucket, decode
     # The KV caches counted are the ones the recipe registers (built on the meta device: no memory), at any batch.
     for batch in (1, 4):
         shape = BuildShape(2048, 512, "bf16", "device", 2, batch_size=batch)

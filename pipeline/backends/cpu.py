@@ -117,12 +117,11 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
                          load_s=round(loaded - started, 3))
 
 
-def _serve_rank(rank: int, job: ServeJob, conn) -> None:
+def _serve_rank(rank: int, build: VerifiedBuild, conn, shape: BuildShape, route: str) -> None:
     # Loading TorchScript runs code: only files verified against the manifest, unchanged since (stat check).
-    build, shape = job.build, job.shape
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
-    if job.bf16_matmul == "fp32" and shape.dtype == "bf16":  # this CPU has no bf16 instructions
+    if route == "fp32" and shape.dtype == "bf16":  # this CPU has no bf16 instructions
         bf16_matmul.rewrite_rank(module, {e: math.prod(shape.entry_rows(e)) for e in shape.entries})
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
@@ -152,7 +151,7 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: TraceJob | ServeJ
         if isinstance(job, TraceJob):
             conn.send(Traced((_trace_rank(rank, job.request, job.out_dir),)))
         else:
-            _serve_rank(rank, job, conn)
+            _serve_rank(rank, job.build, conn, job.shape, job.bf16_matmul)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         report_failure(conn, exc)
     finally:
