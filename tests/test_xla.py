@@ -204,8 +204,10 @@ def test_bf16_passes_its_logits_mode(tmp_path, variant):
     assert metrics["parity"]["mode"] == "logits" and metrics["parity"]["passed"]
     (rank,) = trace_record(root, one_rank_name(variant))["ranks"]
     built = json.loads((root / "gemma4_tiny" / one_rank_name(variant) / "build.json").read_text())
-    prefill = built["variant"]["prefill"]
-    assert len(rank["graphs"]) == (1 if prefill == "host" else 2)
+    prefill, ladder = built["variant"]["prefill"], built["variant"].get("smaller_buckets", [])
+    assert sorted(rank["graphs"]) == (["decode"] if prefill == "host" else  # 512_bf16: its ladder's graph too
+                                      sorted(["decode", "prefill", *(f"prefill_{b}" for b in ladder)]))
+    assert variant == "256_bf16_host" or ladder == [32]
     assert rank["checks"]["compiles_after_warm_up"] == 0
 
 
@@ -254,7 +256,8 @@ def test_every_held_in_variant_lowers_to_listed_operators_with_its_collectives(p
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = json.loads((prepared / "gemma4_tiny" / variant / "build.json").read_text())
     variant_record = built["variant"]
-    entries = ["decode"] if variant_record["prefill"] == "host" else ["decode", "prefill"]
+    ladder = [f"prefill_{b}" for b in variant_record.get("smaller_buckets", [])]  # a graph per bucket
+    entries = ["decode"] if variant_record["prefill"] == "host" else sorted(["decode", "prefill", *ladder])
     for rank in built["trace"]["ranks"]:
         assert sorted(rank["graphs"]) == entries
         for graph in rank["graphs"].values():
@@ -326,9 +329,9 @@ def test_a_graph_that_changes_every_step_is_refused(xla_rank_module, rank_on_dev
 
     rope = RankDecoder._rope
 
-    def rope_sliced_at_a_python_int(self, positions):  # a slice bound read back to the host: a new graph per step
+    def rope_sliced_at_a_python_int(self, positions, rows):  # a slice bound read back to the host: a graph per step
         start, count = int(positions.view(-1)[0]), positions.shape[-1]
-        return rope(self, torch.arange(self.kv_max, device=positions.device)[start:start + count].view(1, count))
+        return rope(self, torch.arange(self.kv_max, device=positions.device)[start:start + count].view(1, count), rows)
 
     monkeypatch.setattr(RankDecoder, "_rope", rope_sliced_at_a_python_int)
     with pytest.raises(BuildError, match=r"(\d+) compilation\(s\) after the warm-up") as refused:
@@ -341,8 +344,8 @@ def test_an_operator_that_falls_back_to_the_host_is_refused(xla_rank_module, ran
 
     rope = RankDecoder._rope
 
-    def rope_with_nonzero(self, positions):  # torch.nonzero's shape depends on the data: torch-xla runs it on the host
-        return rope(self, positions + 0 * torch.nonzero(positions).sum())
+    def rope_with_nonzero(self, positions, rows):  # torch.nonzero's shape depends on the data: run on the host
+        return rope(self, positions + 0 * torch.nonzero(positions).sum(), rows)
 
     monkeypatch.setattr(RankDecoder, "_rope", rope_with_nonzero)
     with pytest.raises(BuildError, match=r"operators run on the host instead of in the graph: \[.*'aten::nonzero'"):
@@ -365,8 +368,8 @@ def test_a_value_read_back_to_python_while_lowering_is_refused(xla_rank_module, 
 
     rope = RankDecoder._rope
 
-    def rope_read_back(self, positions):  # .item() runs the graph so far: the compiler would get two graphs
-        return rope(self, positions + 0 * int(positions.sum().item()))
+    def rope_read_back(self, positions, rows):  # .item() runs the graph so far: the compiler would get two graphs
+        return rope(self, positions + 0 * int(positions.sum().item()), rows)
 
     monkeypatch.setattr(RankDecoder, "_rope", rope_read_back)
     with pytest.raises(BuildError, match="lowering the decode graph ran part of it"):
