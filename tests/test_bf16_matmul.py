@@ -117,3 +117,31 @@ def test_both_routes_decode_the_same_tokens_with_logits_equal_to_bf16_rounding(b
         assert max(errors) <= 1.5 * min(errors), errors
         moved = max(moved, (wide.logits - native.logits).abs().max().item())
     assert moved > 0
+
+
+def test_the_validation_preflight_counts_the_widened_weights_where_the_route_applies(monkeypatch):
+    """512_bf16 of E4B validated through the fp32 route (this machine limited to AVX2): the worker 669.5 MB and each
+    rank 7366.4 MB at peak, against 5432.1 MB through the bf16 kernels; the estimate covers it within 1.15, the
+    estimate without the route does not. Ranks that do not run on the host (neuron) add nothing."""
+    from pipeline.backends.registry import BACKENDS
+    from pipeline.core.units import GIB
+    from pipeline.host import preflight
+    from pipeline.recipe.spec import spec_from_config
+
+    from .test_spec_and_plan import E4B_CONFIG
+
+    spec, shape = spec_from_config(E4B_CONFIG), BuildShape(512, 128, "bf16", "device", 2, smaller_buckets=(32,))
+    cpu, neuron = BACKENDS["cpu"], BACKENDS["neuron"]
+    plain = preflight.estimate(spec, shape, cpu, None).resources.validate_gb
+    widened = preflight.estimate(spec, shape, cpu, None, fp32_route=True).resources.validate_gb
+    assert widened - plain == pytest.approx(2 * cpu.factors.fp32_route_largest_copies * 671_088_640 / GIB)
+    measured = (669.5 + 2 * 7366.4) / 1024
+    assert plain < measured <= widened <= 1.15 * measured
+    assert preflight.estimate(spec, shape, neuron, None, fp32_route=True).resources == \
+        preflight.estimate(spec, shape, neuron, None).resources
+    monkeypatch.setenv(bf16_matmul.ENV, "fp32")
+    assert bf16_matmul.rank_graphs_widened(shape)
+    assert not bf16_matmul.rank_graphs_widened(BuildShape(512, 128, "fp32", "device", 2))
+    assert not bf16_matmul.rank_graphs_widened(BuildShape(512, 32, "bf16", "device", 2))  # no graph of 64 rows
+    monkeypatch.setenv(bf16_matmul.ENV, "native")
+    assert not bf16_matmul.rank_graphs_widened(shape)

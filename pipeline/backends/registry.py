@@ -71,6 +71,9 @@ CPU_FACTORS = Factors(
     # and 1.27 GiB per rank process, 4.4-5.3 bytes per byte of the caches added
     validate_per_kv_byte=6.0,
     host_prefill_per_byte=1.05,  # HostPrefill holds the decoder once, at the variant's dtype (pipeline/recipe/host.py)
+    # 512_bf16 at full size, its prefill graph in fp32 (AVX2-limited): a rank's peak 7.37 GB against 5.43 GB through
+    # the bf16 kernels, +1.94 GB over its 0.67 GB vocabulary-head shard (the largest tensor): 2.9 of it
+    fp32_route_largest_copies=3.0,
     disk_fixed_gb=0.1,  # records and logs
     # the rank files 1.00x, the archive 0.78x (zstd of random bf16 weights; trained ones compress alike) and the
     # validation's unpacked ranks 1.00x: 2.78x of both ranks' bytes at E4B's size; the trace's rewrite of the rank
@@ -115,7 +118,8 @@ NEURON_FACTORS = Factors(
 # one copy, not measured.
 XLA_FIXED_GB = 1.4
 XLA_FACTORS = replace(CPU_FACTORS, graph_fixed_gb=XLA_FIXED_GB, graph_per_byte=CPU_FACTORS.graph_per_byte + 1.0,
-                      load_rank_gb=XLA_FIXED_GB, validate_per_byte=CPU_FACTORS.validate_per_byte + 1.0)
+                      load_rank_gb=XLA_FIXED_GB, validate_per_byte=CPU_FACTORS.validate_per_byte + 1.0,
+                      fp32_route_largest_copies=0.0)  # its ranks compile on torch-xla, never rewritten
 
 
 

@@ -167,6 +167,15 @@ graph(%a, %b):""" + _CAST + """
 )
 
 
+def rank_graphs_widened(shape) -> bool:
+    """Whether this host runs some rank graph of a build of ``shape`` (a ``BuildShape``) in fp32: a bf16 build, the
+    fp32 route chosen, a graph of ``MIN_ROWS`` rows or more (what the preflight counts for validation)."""
+    import math
+
+    return shape.dtype == "bf16" and chosen() == "fp32" and any(
+        math.prod(shape.entry_rows(e)) >= MIN_ROWS for e in shape.entries)
+
+
 def rewrite_rank(module: torch.jit.ScriptModule, entries: dict[str, int]) -> list[str]:
     """Give each of ``entries`` (entry point -> the rows it multiplies: ``BuildShape.entry_rows``'s product) with
     ``MIN_ROWS`` rows or more the fp32 route, before its first call (its executor is built from the graph then).

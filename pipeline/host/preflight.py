@@ -339,6 +339,10 @@ class Factors:
     disk_fixed_gb: float
     disk_per_byte: float
     """Written per variant, per byte of all ranks' weights: the rank files, the archive (and compiler work files)."""
+    fp32_route_largest_copies: float = 0.0
+    """Validating a bf16 build where its rank graphs run bf16 matmuls in fp32 (pipeline/host/bf16_matmul.py, a CPU
+    without bf16 instructions): each rank's extra, in bytes of its largest tensor (the weight widened for one
+    matmul, its output, what the allocator keeps). 0 where the ranks do not run on this host."""
 
 
 class BackendNeeds(Protocol):
@@ -352,9 +356,10 @@ class BackendNeeds(Protocol):
     def graphs_at_once(self, shape: BuildShape, max_parallel: int, resources: ResourceNeed) -> tuple[int, str]: ...
 
 
-def derive(weights: WeightBytes, f: Factors, prefill_tokens: int = 0) -> ResourceNeed:
+def derive(weights: WeightBytes, f: Factors, prefill_tokens: int = 0, fp32_route: bool = False) -> ResourceNeed:
     """Every figure of ``ResourceNeed`` from the weights' bytes and a backend's factors (``prefill_tokens``: the
-    bucket of a traced prefill graph, 0 for host prefill)."""
+    bucket of a traced prefill graph, 0 for host prefill; ``fp32_route``: the ranks' bf16 matmuls of many rows run in
+    fp32 on this host)."""
     rank, ranks, host = weights.rank / GIB, weights.ranks / GIB, weights.host_prefill / GIB
     kv = weights.batch_kv / GIB
     return ResourceNeed(
@@ -362,7 +367,8 @@ def derive(weights: WeightBytes, f: Factors, prefill_tokens: int = 0) -> Resourc
         trace_per_graph_gb=(f.graph_fixed_gb + f.graph_per_byte * rank + f.graph_largest_copies * weights.largest / GIB
                             + f.graph_per_prefill_token * prefill_tokens * rank + f.graph_per_kv_byte * kv),
         validate_gb=(f.validate_fixed_gb + weights.tp_degree * f.load_rank_gb + f.validate_per_byte * ranks
-                     + f.validate_per_kv_byte * weights.tp_degree * kv),
+                     + f.validate_per_kv_byte * weights.tp_degree * kv
+                     + fp32_route * weights.tp_degree * f.fp32_route_largest_copies * weights.largest / GIB),
         host_prefill_gb=f.host_prefill_per_byte * host,
         disk_gb=f.disk_fixed_gb + f.disk_per_byte * (ranks + weights.tp_degree * kv),  # rank files hold the caches
     )
@@ -388,15 +394,17 @@ class Estimate:
                                self.overridden)
 
 
-def estimate(spec: ModelSpec, shape: BuildShape, backend: BackendNeeds, overrides: ResourceNeed | None) -> Estimate:
+def estimate(spec: ModelSpec, shape: BuildShape, backend: BackendNeeds, overrides: ResourceNeed | None,
+             fp32_route: bool = False) -> Estimate:
     """What ``shape`` of the checkpoint ``spec`` describes needs on ``backend``: derived, then every key the conf sets
-    (``model.resources.<backend>.<key>``, not null) taking its place."""
+    (``model.resources.<backend>.<key>``, not null) taking its place. ``fp32_route``: validated on a host that runs
+    the ranks' bf16 matmuls of many rows in fp32 (``bf16_matmul.rank_graphs_widened``)."""
     weights = weight_bytes(spec, shape)
     given = {f.name: getattr(overrides, f.name) for f in fields(ResourceNeed)} if overrides else {}
     chosen = {k: v for k, v in given.items() if v is not None}
     prefill_tokens = shape.bucket if "prefill" in shape.entries else 0
-    return Estimate(replace(derive(weights, backend.factors, prefill_tokens), **chosen), weights, tuple(chosen),
-                    backend.name)
+    return Estimate(replace(derive(weights, backend.factors, prefill_tokens, fp32_route), **chosen), weights,
+                    tuple(chosen), backend.name)
 
 
 def trace_need(resources: ResourceNeed, backend: BackendNeeds, shape: BuildShape, max_parallel: int,

@@ -41,7 +41,7 @@ from pipeline.core.errors import ConfigError, ParityError, PipelineError, Throug
 from pipeline.core.fsutil import atomic_write_json
 from pipeline.core.log import log, relay, relay_env
 from pipeline.core.records import fingerprint
-from pipeline.host import preflight
+from pipeline.host import bf16_matmul, preflight
 from pipeline.host.procinfo import peak_rss_bytes
 from pipeline.paths import Paths
 from pipeline.recipe.spec import load_spec
@@ -324,7 +324,8 @@ def run(cfg: PipelineConfig) -> StageResult:
     chosen, coverage = select_prompts(reference.prompts, shape, reference.max_new_tokens, cfg.validate.prompt_names)
     backend, entry = manifest.backend, backend_entry(manifest.backend)
     entry.create().check_load(shape)  # before the preflight, the signature and the archive
-    est = preflight.estimate(load_spec(paths.weights), shape, entry, cfg.model.resources.get(backend))
+    est = preflight.estimate(load_spec(paths.weights), shape, entry, cfg.model.resources.get(backend),
+                             fp32_route=bf16_matmul.rank_graphs_widened(shape))  # 0 where ranks are elsewhere
     passed = preflight.run(est, preflight.validate_need(est.resources, entry, shape, est.describe()), cfg.preflight)
     sig = cfg.package.signing
     accepted = signing.check(paths.dist, manifest.archive.name, sig.verifying_key(), sig.allow_unsigned,
