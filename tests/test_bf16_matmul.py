@@ -45,15 +45,14 @@ def test_the_route_is_chosen_from_the_cpus_flags(tmp_path, monkeypatch, cpuinfo,
         path.write_text(cpuinfo)
     assert bf16_matmul.cpu_bf16_flags(path) == flags
     assert bf16_matmul.chosen(path) == route
-    assert bf16_matmul.describe(route, path) == {"route": route, "cpu_bf16_flags": list(flags), "min_rows": 64,
-                                                 "overridden": False}
+    assert (bf16_matmul.MIN_ROWS, bf16_matmul.overridden()) == (64, False)  # what validation.json records beside
 
 
 def test_the_environment_overrides_the_route_and_a_wrong_value_is_named(tmp_path, monkeypatch):
     path = tmp_path / "cpuinfo"
     path.write_text(X86_BF16)
     monkeypatch.setenv(bf16_matmul.ENV, "fp32")
-    assert bf16_matmul.chosen(path) == "fp32" and bf16_matmul.describe("fp32", path)["overridden"]
+    assert bf16_matmul.chosen(path) == "fp32" and bf16_matmul.overridden()
     monkeypatch.setenv(bf16_matmul.ENV, "fast")
     with pytest.raises(InputError, match=r"^PIPELINE_BF16_MATMUL='fast' is not one of auto, native, fp32: unset it"):
         bf16_matmul.chosen(path)
@@ -88,9 +87,10 @@ def test_a_weight_widened_in_slices_gives_what_it_gives_widened_whole(monkeypatc
 
 
 def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(bf16_builds):
-    build_dir, _ = bf16_builds(2, "device")  # loaded, not run: a rank's collectives need no group until called
+    build_dir, shape = bf16_builds(2, "device")  # loaded, not run: a rank's collectives need no group until called
     module = torch.jit.load(str(build_dir / "tp_0.pt"))
-    assert bf16_matmul.rewrite_rank(module, {"prefill": 64, "decode": 1}) == ["prefill"]
+    assert bf16_matmul.widened_entries(shape) == ("prefill",)  # 64 rows; decode's 1 is not
+    assert bf16_matmul.rewrite_rank(module, bf16_matmul.widened_entries(shape)) == ["prefill"]
     kinds = [n.kind() for n in module.prefill.graph.nodes()]
     linears = kinds.count("aten::linear") + kinds.count("aten::matmul")
     assert linears > 0 and kinds.count("prim::dtype") == linears  # every one casts back to its input's dtype

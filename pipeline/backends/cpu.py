@@ -16,7 +16,6 @@ Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 from __future__ import annotations
 
 import gc
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -121,8 +120,8 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn, shape: BuildShape, route:
     # Loading TorchScript runs code: only files verified against the manifest, unchanged since (stat check).
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
-    if route == "fp32" and shape.dtype == "bf16":  # this CPU has no bf16 instructions
-        bf16_matmul.rewrite_rank(module, {e: math.prod(shape.entry_rows(e)) for e in shape.entries})
+    if route == "fp32":  # this CPU has no bf16 instructions
+        bf16_matmul.rewrite_rank(module, bf16_matmul.widened_entries(shape))
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
 

@@ -26,8 +26,9 @@ the fp32 route on a CPU that has bf16 instructions.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,10 +70,9 @@ def chosen(cpuinfo: Path = CPUINFO) -> str:
     return "native" if cpu_bf16_flags(cpuinfo) else "fp32"
 
 
-def describe(route: str, cpuinfo: Path = CPUINFO) -> dict:
-    """What validation.json records of the choice: the route, the flags it was read from, the rows it starts at."""
-    return {"route": route, "cpu_bf16_flags": list(cpu_bf16_flags(cpuinfo)), "min_rows": MIN_ROWS,
-            "overridden": os.environ.get(ENV, "auto").strip() not in ("", "auto")}
+def overridden() -> bool:
+    """Whether ``PIPELINE_BF16_MATMUL`` chose the route instead of the CPU's flags."""
+    return os.environ.get(ENV, "auto").strip() not in ("", "auto")
 
 
 # -- eager code ------------------------------------------------------------------------------------------------------
@@ -167,23 +167,25 @@ graph(%a, %b):""" + _CAST + """
 )
 
 
+def widened_entries(shape) -> tuple[str, ...]:
+    """The rank graphs of a build of ``shape`` (a ``BuildShape``) the fp32 route widens: a bf16 build's graphs that
+    multiply ``MIN_ROWS`` rows or more (sequences x tokens per call; none of an fp32 build's)."""
+    if shape.dtype != "bf16":
+        return ()
+    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) >= MIN_ROWS)
+
+
 def rank_graphs_widened(shape) -> bool:
-    """Whether this host runs some rank graph of a build of ``shape`` (a ``BuildShape``) in fp32: a bf16 build, the
-    fp32 route chosen, a graph of ``MIN_ROWS`` rows or more (what the preflight counts for validation)."""
-    import math
-
-    return shape.dtype == "bf16" and chosen() == "fp32" and any(
-        math.prod(shape.entry_rows(e)) >= MIN_ROWS for e in shape.entries)
+    """Whether this host runs some rank graph of a build of ``shape`` in fp32 (what the preflight counts for
+    validation): the fp32 route chosen, and a graph it widens."""
+    return chosen() == "fp32" and bool(widened_entries(shape))
 
 
-def rewrite_rank(module: torch.jit.ScriptModule, entries: dict[str, int]) -> list[str]:
-    """Give each of ``entries`` (entry point -> the rows it multiplies: ``BuildShape.entry_rows``'s product) with
-    ``MIN_ROWS`` rows or more the fp32 route, before its first call (its executor is built from the graph then).
-    Returns the entries rewritten."""
+def rewrite_rank(module: torch.jit.ScriptModule, entries: Iterable[str]) -> list[str]:
+    """Give each of ``entries`` (``widened_entries``) the fp32 route, before its first call (its executor is built
+    from the graph then). Returns the entries rewritten."""
     rewritten = []
-    for entry, rows in entries.items():
-        if rows < MIN_ROWS:
-            continue
+    for entry in entries:
         graph = getattr(module, entry).graph
         torch._C._jit_pass_inline(graph)  # the linears live in submodules' methods, which decode shares
         for pattern, replacement in REWRITES:

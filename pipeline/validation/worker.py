@@ -373,10 +373,9 @@ def run_job(job: ValidationJob) -> Measured:
 
 def bf16_matmuls(runner, batch) -> Bf16Matmuls:
     """What validation.json records of the bf16 matmul route (pipeline/host/bf16_matmul.py)."""
-    chosen = bf16_matmul.describe(bf16_matmul.chosen())
     return Bf16Matmuls(ranks=getattr(runner, "bf16_matmul", None), host_prefill=batch.host_bf16_matmul,
-                       cpu_bf16_flags=tuple(chosen["cpu_bf16_flags"]), min_rows=chosen["min_rows"],
-                       overridden=chosen["overridden"])
+                       cpu_bf16_flags=bf16_matmul.cpu_bf16_flags(), min_rows=bf16_matmul.MIN_ROWS,
+                       overridden=bf16_matmul.overridden())
 
 
 def reference_tensors(job: ValidationJob) -> dict[str, torch.Tensor]:
