@@ -100,23 +100,32 @@ def test_a_rank_graph_of_many_rows_is_rewritten_and_one_of_few_is_not(bf16_build
 @pytest.mark.parametrize("prefill", ["device", "host"])
 def test_both_routes_decode_the_same_tokens_with_logits_equal_to_bf16_rounding(bf16_builds, tiny_dir, prompts,
                                                                                 hf_reference, monkeypatch, prefill):
-    """A bf16 build on the tiny model, decoded on this CPU by each route (the fp32 one forced): the same greedy
-    tokens, each route as close to the fp32 reference as the other (within 1.5x: two roundings of the same sums
-    differ from each other about as much as from fp32), and not identical (the fp32 route ran)."""
+    """A bf16 build on the tiny model, fed transformers' greedy continuation (teacher-forced) by each route (the fp32
+    one forced): at every step the same greedy token wherever the two routes' logits differ by less than half the
+    margin between the top two (the tiny model's random weights make near-ties, where any rounding may pick either), the
+    fp32 route no farther from the fp32 reference than the native one (within 1.5x: two roundings of the same sums
+    differ from each other about as much as from fp32; on a CPU without bf16 instructions torch's own bf16 kernels,
+    forced here, are the farther ones, measured with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: 0.66 against
+    0.43), and not identical (the fp32 route ran)."""
     build_dir, shape = bf16_builds(2, prefill)
     assert max(len(p) for p in prompts) >= bf16_matmul.MIN_ROWS  # a prefill of many rows, in either kind of prefill
+    forced = [tokens for tokens, _ in hf_reference]
     found = {}
     for route in bf16_matmul.ROUTES:
         monkeypatch.setenv(bf16_matmul.ENV, route)
-        found[route] = run(tiny_dir, build_dir, shape, prompts)
-    moved = 0.0
+        found[route] = run(tiny_dir, build_dir, shape, prompts, forced)
+    moved, compared = 0.0, 0
     for native, wide, (_, reference) in zip(found["native"], found["fp32"], hf_reference, strict=True):
-        assert wide.tokens == native.tokens
         steps = min(len(native.logits), len(reference))
-        errors = [(g.logits[:steps] - reference[:steps]).abs().max().item() for g in (native, wide)]
-        assert max(errors) <= 1.5 * min(errors), errors
+        native_error, wide_error = ((g.logits[:steps] - reference[:steps]).abs().max().item() for g in (native, wide))
+        assert wide_error <= 1.5 * native_error, (native_error, wide_error)
+        for a, b in zip(native.logits, wide.logits, strict=True):
+            top2 = a.topk(2).values
+            if top2[0] - top2[1] > 2 * (a - b).abs().max():  # then no rounding this small can reorder them
+                assert a.argmax() == b.argmax()
+                compared += 1
         moved = max(moved, (wide.logits - native.logits).abs().max().item())
-    assert moved > 0
+    assert moved > 0 and compared >= 2 / 3 * sum(len(g.logits) for g in found["native"])  # not a vacuous check
 
 
 def test_the_validation_preflight_counts_the_widened_weights_where_the_route_applies(monkeypatch):

@@ -185,10 +185,11 @@ def test_metrics_receipt_and_a_jobs_outcome_are_read_strictly_and_write_the_same
     assert JobOutcome.read(tmp_path / "outcome.json") == outcome
 
 
-# The keys validation.json had before it was typed: existing validations have exactly these.
+# The keys validation.json had before it was typed (existing validations have exactly these), and how the ranks of a
+# cpu build of two exchanged their collectives (since shared memory replaced gloo's at load).
 VALIDATION_KEYS = {"fingerprint", "version", "archive_sha256", "backend", "hardware", "coverage", "signature",
                    "preflight", "gates", "throughput_gate", "parity", "throughput", "contexts", "costs_s",
-                   "peak_rss_mb", "threads", "prompts", "concurrency"}
+                   "peak_rss_mb", "threads", "prompts", "concurrency", "rank_collectives"}
 
 
 def test_the_validation_record_reads_back_to_its_json_and_writes_the_same_bytes(project, tmp_path):
@@ -199,6 +200,7 @@ def test_the_validation_record_reads_back_to_its_json_and_writes_the_same_bytes(
     record = ValidationRecord.read(path)
     assert set(read_json(path)) == VALIDATION_KEYS and record.to_json() == read_json(path)
     assert record.gates.passed and record.contexts["short"].tokens_per_s == record.throughput.tokens_per_s
+    assert record.rank_collectives == "shared_memory"
     record.write(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
 

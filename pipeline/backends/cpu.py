@@ -15,6 +15,7 @@ Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact.archive import VerifiedBuild, require_verified
+from pipeline.backends import cpu_collectives
 from pipeline.backends.base import TraceRequest, check_request, entry_inputs
 from pipeline.backends.ranks import (
     ProcessRunner,
@@ -116,17 +118,21 @@ def _trace_rank(rank: int, request: TraceRequest, out_dir: str) -> CpuTracedRank
                          load_s=round(loaded - started, 3))
 
 
-def _serve_rank(rank: int, build: VerifiedBuild, conn, shape: BuildShape, route: str) -> None:
+def _serve_rank(rank: int, build: VerifiedBuild, conn, shape: BuildShape, route: str, collectives: str | None) -> None:
     # Loading TorchScript runs code: only files verified against the manifest, unchanged since (stat check).
     build.recheck()
     module = torch.jit.load(str(build.directory / f"tp_{rank}.pt"))
     if route == "fp32":  # this CPU has no bf16 instructions
         bf16_matmul.rewrite_rank(module, bf16_matmul.widened_entries(shape))
+    if collectives == "shared_memory":
+        cpu_collectives.rewrite_rank(module, shape.entries)
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
 
+    few_rows = bf16_matmul.few_rows_entries(shape)
+
     def step(entry: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
+        with torch.no_grad(), bf16_matmul.few_rows() if entry in few_rows else contextlib.nullcontext():
             return getattr(module, entry)(*inputs)
 
     def seed(values: list[torch.Tensor], line: int) -> None:
@@ -150,7 +156,9 @@ def _rank_main(rank: int, tp_degree: int, init_file: str, job: TraceJob | ServeJ
         if isinstance(job, TraceJob):
             conn.send(Traced((_trace_rank(rank, job.request, job.out_dir),)))
         else:
-            _serve_rank(rank, job.build, conn, job.shape, job.bf16_matmul)
+            if job.collectives == "shared_memory":
+                cpu_collectives.attach(rank, tp_degree, init_file)
+            _serve_rank(rank, job.build, conn, job.shape, job.bf16_matmul, job.collectives)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         report_failure(conn, exc)
     finally:
@@ -194,4 +202,7 @@ class CpuBackend:
         return trace_result(ranks, request.shape, started, {"group_name": GROUP_NAME, **self.compiler_info()})
 
     def load(self, build: VerifiedBuild, shape: BuildShape) -> ProcessRunner:
-        return ProcessRunner(require_verified(build), shape, target=_rank_main, bf16_matmul=bf16_matmul.chosen())
+        # One rank has no collectives; several exchange theirs through shared memory where that is safe (x86-64)
+        collectives = cpu_collectives.chosen() if shape.tp_degree > 1 else None
+        return ProcessRunner(require_verified(build), shape, target=_rank_main, bf16_matmul=bf16_matmul.chosen(),
+                             collectives=collectives)

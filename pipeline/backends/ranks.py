@@ -75,6 +75,9 @@ class ServeJob:
     shape: BuildShape
     bf16_matmul: str = "native"
     """How the ranks run bf16 matmuls of many rows (pipeline/host/bf16_matmul.py), chosen by the loading process."""
+    collectives: str | None = None
+    """How the rank processes exchange their collectives (the cpu backend's: pipeline/backends/cpu_collectives.py),
+    chosen by the loading process; None: the backend's own."""
 
 
 @dataclass(frozen=True)
@@ -336,14 +339,16 @@ class ProcessRunner(RankRunner):
     """A loaded build whose ranks run in processes of their own (``target``: their main, given a ``ServeJob``), one
     per rank, driven over pipes."""
 
-    def __init__(self, build: VerifiedBuild, shape: BuildShape, target, bf16_matmul: str = "native"):
+    def __init__(self, build: VerifiedBuild, shape: BuildShape, target, bf16_matmul: str = "native",
+                 collectives: str | None = None):
         self.shape = shape
         started = time.monotonic()
         if sorted(m.path for m in build.members) != sorted(rank_members(shape.tp_degree)):
             raise IntegrityError(f"{build.directory} holds {[m.path for m in build.members]}, a tp_degree "
                                  f"{shape.tp_degree} build needs {rank_members(shape.tp_degree)}")
         self.bf16_matmul = bf16_matmul  # what the ranks do with it is their target's (the cpu backend's rewrites)
-        self.group = RankGroup(shape.tp_degree, ServeJob(build, shape, self.bf16_matmul), target)
+        self.collectives = collectives
+        self.group = RankGroup(shape.tp_degree, ServeJob(build, shape, self.bf16_matmul, collectives), target)
         self.ready = self.group.receive_all(timeout=600)
         self.load_s = time.monotonic() - started
         self.compute_s: list[float] = []  # rank 0's time inside the graph, per call

@@ -14,6 +14,11 @@ fp32 sums, far below bf16's rounding step, so a bf16 build's tokens and logits a
 (tests/test_bf16_matmul.py) and parity means what it meant. The reference stage measures transformers' bf16 noise
 through the fp32 route on every CPU (``Fp32Matmuls(min_rows=1)``), so the yardstick is the same figure everywhere.
 
+Few rows. A bf16 graph of fewer than ``MIN_ROWS`` rows (a decode step's) runs through torch's own bf16 kernels,
+never oneDNN's (``few_rows``): on a CPU with avx512_bf16, oneDNN's one-row kernel is the slower one by far (E4B's
+decode step at full size, tp_degree 2 on 2 cores: 551 ms through it, 309 ms through torch's, the same bf16 values
+multiplied and summed in fp32 by both), and a CPU without bf16 instructions runs torch's anyway.
+
 Two mechanisms, one rule. Eager code (the host's prefill model, transformers in the reference stage) runs under
 ``Fp32Matmuls``, a torch function mode. A loaded TorchScript rank (the cpu backend) cannot be reached by a mode: its
 graphs for ``MIN_ROWS`` rows or more are inlined and each ``aten::linear`` and ``aten::matmul`` rewritten to cast to
@@ -121,6 +126,24 @@ def linear_in_slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         wide_bias = None if bias is None else bias[part].float()
         out[..., part] = torch.nn.functional.linear(wide_x, weight[part].float(), wide_bias)
     return out
+
+
+def few_rows_entries(shape) -> tuple[str, ...]:
+    """The rank graphs of a bf16 build of ``shape`` that multiply fewer than ``MIN_ROWS`` rows (decode's)."""
+    if shape.dtype != "bf16":
+        return ()
+    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) < MIN_ROWS)
+
+
+@contextlib.contextmanager
+def few_rows() -> Iterator[None]:
+    """Run the block's matmuls through torch's own kernels, not oneDNN's (a few rows of bf16: see above)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # (mkldnn.flags() would also flip oneDNN's TF32 switch, and warn)
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 @contextlib.contextmanager

@@ -224,6 +224,9 @@ class Measured(Record):
     """A batched build's prompts decoded together (left out at batch 1)."""
     bf16_matmul: Bf16Matmuls | None = field(default=None, kw_only=True)
     """A bf16 build's: how this CPU ran its matmuls of many rows (left out of an fp32 build's)."""
+    rank_collectives: str | None = field(default=None, kw_only=True)
+    """How the rank processes exchanged their collectives on this host (pipeline/backends/cpu_collectives.py:
+    ``shared_memory`` or ``gloo``); left out where there are none to exchange here (one rank; neuron and xla)."""
 
 
 @dataclass(frozen=True)

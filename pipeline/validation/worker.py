@@ -352,6 +352,7 @@ def run_job(job: ValidationJob) -> Measured:
                 concurrency = measure_concurrency(gen.batch, shape, job.throughput, filler)
                 threads = gen.threads
                 matmuls = bf16_matmuls(runner, gen.batch) if shape.dtype == "bf16" else None
+                collectives = getattr(runner, "collectives", None)
                 rss = runner.peak_rss_bytes() if hasattr(runner, "peak_rss_bytes") else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -368,6 +369,7 @@ def run_job(job: ValidationJob) -> Measured:
         concurrency=concurrency,
         batch_parity=batch_parity,
         bf16_matmul=matmuls,
+        rank_collectives=collectives,
     )
 
 
