@@ -73,6 +73,19 @@ def test_the_mode_widens_bf16_matmuls_of_many_rows_only():
     assert fp32.dtype == torch.float32  # fp32 stays fp32
 
 
+def test_only_a_one_row_bf16_graph_is_kept_from_onednn_and_the_switch_is_restored():
+    """A decode step of one sequence goes through torch's own bf16 kernels; a batch's decode (4 rows) and the ladder's
+    smallest bucket (32 rows) keep oneDNN's, faster from 4 rows on; an fp32 build is left alone."""
+    ladder = BuildShape(256, 64, "bf16", "device", 2, smaller_buckets=(32,))
+    assert bf16_matmul.one_row_entries(ladder) == ("decode",)
+    assert bf16_matmul.one_row_entries(BuildShape(256, 64, "bf16", "device", 2, batch_size=4)) == ()
+    assert bf16_matmul.one_row_entries(BuildShape(256, 64, "fp32", "device", 2)) == ()
+    before = torch.backends.mkldnn.enabled
+    with bf16_matmul.one_row():
+        assert torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled == before
+
+
 def test_a_weight_widened_in_slices_gives_what_it_gives_widened_whole(monkeypatch):
     """The eager route widens a weight a slice of outputs at a time (E4B's vocabulary head is 2.7 GB in fp32): the
     same bf16 result as widened whole, bias included."""

@@ -1,12 +1,14 @@
-"""The cpu backend: the recipe traced with TorchScript, one process per rank, real gloo collectives.
+"""The cpu backend: the recipe traced with TorchScript, one process per rank, real collectives.
 
 Trace: ``tp_degree`` processes join a gloo group; each slices its own weights from the safetensors files, builds its
 ``StatefulRank``, traces the variant's entry points (``prefill`` and ``decode`` of one module, so they share weights
 and caches) with ``torch.jit.trace_module``, zeroes the caches and saves ``tp_<rank>.pt``. The collectives run for
 real during tracing, exactly as the neuron backend's ranks compile concurrently.
 
-Load: ``tp_degree`` fresh processes join a new gloo group and ``torch.jit.load`` their rank; the parent sends each
-step's inputs to every rank and reads rank 0's outputs. This is what proves the sharding recipe token for token
+Load: ``tp_degree`` fresh processes join a new gloo group and ``torch.jit.load`` their rank, whose collectives are
+then rewritten to go through shared memory (pipeline/backends/cpu_collectives.py: gloo's latency was a third of a
+decode step), and a bf16 build's one-row decode graph runs through torch's own kernels (pipeline/host/bf16_matmul.py
+``one_row``); the parent sends each step's inputs to every rank and reads rank 0's outputs. This is what proves the sharding recipe token for token
 before anyone pays for an inf2 instance. The processes, their pipes and the runner are the rank runtime's
 (pipeline/backends/ranks.py); this module is their main.
 
@@ -129,10 +131,10 @@ def _serve_rank(rank: int, build: VerifiedBuild, conn, shape: BuildShape, route:
     caches = [buf for name, buf in module.named_buffers() if "_cache_" in name]
     gc.freeze()  # the loaded module is permanent: the per-step garbage collections need not walk it again
 
-    few_rows = bf16_matmul.few_rows_entries(shape)
+    one_row = bf16_matmul.one_row_entries(shape)
 
     def step(entry: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad(), bf16_matmul.few_rows() if entry in few_rows else contextlib.nullcontext():
+        with torch.no_grad(), bf16_matmul.one_row() if entry in one_row else contextlib.nullcontext():
             return getattr(module, entry)(*inputs)
 
     def seed(values: list[torch.Tensor], line: int) -> None:

@@ -1,5 +1,6 @@
 """How this host runs bf16 matmuls of many rows: torch's bf16 kernels (``native``), or in fp32 over the same bf16
-values, rounded back to bf16 (``fp32``). Chosen from what the CPU reports; nothing is written.
+values, rounded back to bf16 (``fp32``), chosen from what the CPU reports; and of one row: torch's own kernels, not
+oneDNN's. Nothing is written.
 
 Why. On a CPU with bf16 instructions (avx512_bf16, AMX) torch hands bf16 matmuls to oneDNN, which is fast. On one
 without them (AVX2-only, as many cloud instances and CI runners are) torch's bf16 kernels' cost grows with every
@@ -14,10 +15,11 @@ fp32 sums, far below bf16's rounding step, so a bf16 build's tokens and logits a
 (tests/test_bf16_matmul.py) and parity means what it meant. The reference stage measures transformers' bf16 noise
 through the fp32 route on every CPU (``Fp32Matmuls(min_rows=1)``), so the yardstick is the same figure everywhere.
 
-Few rows. A bf16 graph of fewer than ``MIN_ROWS`` rows (a decode step's) runs through torch's own bf16 kernels,
-never oneDNN's (``few_rows``): on a CPU with avx512_bf16, oneDNN's one-row kernel is the slower one by far (E4B's
-decode step at full size, tp_degree 2 on 2 cores: 551 ms through it, 309 ms through torch's, the same bf16 values
-multiplied and summed in fp32 by both), and a CPU without bf16 instructions runs torch's anyway.
+One row. A bf16 graph of one row per call (a decode step of one sequence) runs through torch's own bf16 kernels,
+never oneDNN's (``one_row``): on a CPU with avx512_bf16, oneDNN's one-row kernel is the slower one by far (the bench
+above: 3.22 against 1.54 ms; E4B's decode step at full size, tp_degree 2 on 2 cores: 551 ms through it, 309 ms
+through torch's, the same bf16 values multiplied and summed in fp32 by both), while from 4 rows on oneDNN's is the
+faster (3.32 against 5.88 ms). A CPU without bf16 instructions runs torch's anyway.
 
 Two mechanisms, one rule. Eager code (the host's prefill model, transformers in the reference stage) runs under
 ``Fp32Matmuls``, a torch function mode. A loaded TorchScript rank (the cpu backend) cannot be reached by a mode: its
@@ -128,16 +130,16 @@ def linear_in_slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out
 
 
-def few_rows_entries(shape) -> tuple[str, ...]:
-    """The rank graphs of a bf16 build of ``shape`` that multiply fewer than ``MIN_ROWS`` rows (decode's)."""
+def one_row_entries(shape) -> tuple[str, ...]:
+    """The rank graphs of a bf16 build of ``shape`` that multiply one row per call (decode's at batch 1)."""
     if shape.dtype != "bf16":
         return ()
-    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) < MIN_ROWS)
+    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) == 1)
 
 
 @contextlib.contextmanager
-def few_rows() -> Iterator[None]:
-    """Run the block's matmuls through torch's own kernels, not oneDNN's (a few rows of bf16: see above)."""
+def one_row() -> Iterator[None]:
+    """Run the block's matmuls through torch's own kernels, not oneDNN's (one row of bf16: see above)."""
     before = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False  # (mkldnn.flags() would also flip oneDNN's TF32 switch, and warn)
     try:
