@@ -15,6 +15,9 @@ from pipeline.recipe.spec import load_spec
 
 from .test_cpu_backend import KV_MAX, build, run
 
+# Each torch's TorchScript rewriter, operator registration and c10d ops: in the version environments too.
+pytestmark = pytest.mark.across_versions("torch", "transformers", "safetensors")
+
 CALLS = 300  # enough calls that each slot parity is reused many times while the other rank may still read it
 
 

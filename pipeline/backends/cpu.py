@@ -8,9 +8,9 @@ real during tracing, exactly as the neuron backend's ranks compile concurrently.
 Load: ``tp_degree`` fresh processes join a new gloo group and ``torch.jit.load`` their rank, whose collectives are
 then rewritten to go through shared memory (pipeline/backends/cpu_collectives.py: gloo's latency was a third of a
 decode step), and a bf16 build's one-row decode graph runs through torch's own kernels (pipeline/host/bf16_matmul.py
-``one_row``); the parent sends each step's inputs to every rank and reads rank 0's outputs. This is what proves the sharding recipe token for token
-before anyone pays for an inf2 instance. The processes, their pipes and the runner are the rank runtime's
-(pipeline/backends/ranks.py); this module is their main.
+``one_row``); the parent sends each step's inputs to every rank and reads rank 0's outputs. This is what proves the
+sharding recipe token for token before anyone pays for an inf2 instance. The processes, their pipes and the runner
+are the rank runtime's (pipeline/backends/ranks.py); this module is their main.
 
 Writes: ``<out_dir>/tp_<rank>.pt`` for every rank, and nothing else.
 """

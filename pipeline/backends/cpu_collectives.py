@@ -22,9 +22,11 @@ larger than ``SLOT_BYTES`` (a long prefill bucket of a wide model) goes through 
 the same on each). Only on x86-64, whose stores become visible in program order (a part is written before its flag);
 elsewhere, and with ``PIPELINE_CPU_COLLECTIVES=gloo``, the graphs keep gloo's.
 
-Waiting: a rank spins on the flags briefly (the other rank is on the other core, and a step's parts arrive within
-microseconds of each other), then yields its core, then sleeps in short naps, so that ranks sharing cores with other
-work (tests in parallel, a busy host) still progress.
+Waiting: a rank checks the flags in a loop, a few checks spinning, then yielding its core at each check
+(``sched_yield``: back at once when no other process wants that core, as when the ranks have a core each), then in
+short naps; so ranks that share their cores with other work (a busy host, tests in parallel) never spin against the
+rank they wait for. (Spinning for milliseconds first, tried: ``make test``, two workers' rank processes on two cores,
+had run a third of its tests after 8 minutes, where it runs them all in 12.)
 
 Writes: the mapped file, under /dev/shm when it has room (else beside gloo's rendezvous file), removed at once.
 """
@@ -46,8 +48,8 @@ ENV = "PIPELINE_CPU_COLLECTIVES"
 CHOICES = ("shared_memory", "gloo")
 SLOT_BYTES = 8 << 20  # one rank's part of one call: E4B's 512-token prefill (5.2 MB fp32) and a batch-4 gather fit
 FLAG_STRIDE = 64  # bytes between two ranks' flags: one cache line each, so that raising one does not stall the others
-SPIN_CHECKS = 20_000  # ~ a few ms of checks before yielding the core
-YIELD_CHECKS = 2_000
+SPIN_CHECKS = 100  # ~ 20 us of checks; then each check yields the core (at once back if nothing else wants it)
+YIELD_CHECKS = 20_000  # ~ 20 ms of those on an idle core; then naps
 NAP_S = 50e-6
 GROUP_NAME = "0"  # the gloo group every cpu-backend process joins (cpu.py GROUP_NAME): the fallback's
 
