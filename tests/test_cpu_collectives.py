@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.backends import cpu_collectives
-from pipeline.core.errors import InputError
+from pipeline.core.errors import BuildError, InputError
 from pipeline.core.shape import BuildShape
 from pipeline.recipe.spec import load_spec
 
@@ -101,3 +101,22 @@ def test_a_build_decodes_the_same_logits_by_either_route(two_rank_build, tiny_di
         found[route] = run(tiny_dir, build_dir, shape, prompts)
     for ours, gloo in zip(found["shared_memory"], found["gloo"], strict=True):
         assert ours.tokens == gloo.tokens and torch.equal(ours.logits, gloo.logits)
+
+
+def test_no_room_for_the_slots_is_refused_naming_the_fix_and_leaves_no_file(tmp_path, monkeypatch):
+    """Rank 0 reserves the mapping's blocks before any rank maps it: a full disk (or /dev/shm) is an error naming the
+    setting that avoids it, not a SIGBUS at some later step, and the file is gone."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    rendezvous = tmp_path / "gemma4-gloo-test" / "init"
+    rendezvous.parent.mkdir()
+    path = cpu_collectives._slots_path(str(rendezvous), cpu_collectives.mapping_bytes(2))
+    with pytest.raises(BuildError, match=r"no room for the ranks' shared collectives \(32 MiB\) at .*: No space left "
+                                         r"on device\. Free some space there, or set PIPELINE_CPU_COLLECTIVES=gloo"):
+        cpu_collectives.attach(0, 2, str(rendezvous))
+    assert not path.exists()

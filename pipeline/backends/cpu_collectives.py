@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.core.errors import InputError
+from pipeline.core.errors import BuildError, InputError
 
 ENV = "PIPELINE_CPU_COLLECTIVES"
 CHOICES = ("shared_memory", "gloo")
@@ -149,11 +149,16 @@ def attach(rank: int, world: int, rendezvous: str) -> None:
     global _slots
     path = _slots_path(rendezvous, mapping_bytes(world))
     if rank == 0:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, mapping_bytes(world))  # ENOSPC now, not SIGBUS on a later write
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, mapping_bytes(world))  # ENOSPC now, not SIGBUS on a later write
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise BuildError(f"no room for the ranks' shared collectives ({mapping_bytes(world) >> 20} MiB) at "
+                             f"{path}: {exc.strerror}. Free some space there, or set {ENV}=gloo") from exc
     dist.barrier()
     _slots = SharedSlots(path, rank, world)
     dist.barrier()
