@@ -210,8 +210,8 @@ _LIBRARY.impl("all_gather_dim0", _all_gather_dim0, "CPU")
 
 def rewrite_rank(module: torch.jit.ScriptModule, entries) -> int:
     """Route every collective of ``entries``' graphs through the shared slots (before their first call). Returns how
-    many collectives were rewritten; refuses a graph left with one of gloo's (a collective this module does not
-    know: its order among the others would differ between the two routes)."""
+    many collectives were rewritten; refuses a graph left with one of gloo's (a collective this module does not know
+    would still wait on gloo, and validation.json's ``rank_collectives`` would not say so)."""
     rewritten = 0
     for entry in entries:
         graph = getattr(module, entry).graph
