@@ -270,8 +270,11 @@ def baselines(out: Path, artifacts: Path, ckpt: Path, env: dict, disk_base: int)
     hf = run(Step("transformers bf16 generate", [sys.executable, "-c", TRANSFORMERS_BASELINE, str(ckpt), "32",
                                                  str(os.cpu_count() or 1), QUESTION]), disk_base, env)
     build = artifacts / "gemma4_e4b" / VARIANTS[0] / "build"
-    tar = run(Step("tar -I 'zstd -T0' (baseline)", ["tar", "-C", str(build), "-I", "zstd -T0", "-cf",
-                                                     str(out / "baseline.tar.zst"), "tp_0.pt", "tp_1.pt"]),
+    # Flushed to disk before the clock stops, as the package stage fsyncs its archive (unflushed, the baseline's
+    # writeback was left to land in whatever ran next)
+    baseline = out / "baseline.tar.zst"
+    tar = run(Step("tar -I 'zstd -T0' (baseline)", ["sh", "-c", f"tar -C '{build}' -I 'zstd -T0' -cf '{baseline}' "
+                                                                f"tp_0.pt tp_1.pt && sync -f '{baseline}'"]),
               disk_base, env)
     figures = {"transformers": json.loads(hf.output_tail.strip().splitlines()[-1]),
                "tar_zstd_s": tar.wall_s, "tar_zstd_bytes": (out / "baseline.tar.zst").stat().st_size,

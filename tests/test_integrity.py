@@ -321,6 +321,25 @@ def test_a_build_directory_with_stray_files_is_refused(signed_project, tmp_path,
         run(cfg, "package")
 
 
+def test_a_rank_file_changed_after_the_trace_is_refused_by_package_and_nothing_is_replaced(signed_project, tmp_path,
+                                                                                           keys):
+    """package reads each rank file once, hashing it as it packs: a byte changed since the trace is named (file, both
+    sha256s, the stage to rerun) and the archive already in dist/ is left as it was."""
+    root = tmp_path / "artifacts"
+    shutil.copytree(signed_project, root, ignore=shutil.ignore_patterns("logs", "published"))
+    cfg = config(root, *FAST_VALIDATE, f"package.signing.private_key={keys[0]}", "force=true")
+    paths = Paths.of(cfg)
+    before = {p.name: p.read_bytes() for p in paths.dist.iterdir()}
+    rank = paths.build / "tp_1.pt"
+    data = bytearray(rank.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"tp_1.pt read with sha256 [0-9a-f]{64}, build.json says [0-9a-f]{64}; "
+                                             r"it was changed after the trace \(rerun stage=trace force=true\)"):
+        run(cfg, "package")
+    assert {p.name: p.read_bytes() for p in paths.dist.iterdir()} == before
+
+
 def test_unknown_formats_and_unreadable_keys_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"package.format='rar' is not one of \['tar.zst', 'tar.gz', 'tar'\]"):
         config(tmp_path, "package.format=rar")

@@ -193,14 +193,19 @@ def file_stamp(directory: Path, name: str) -> tuple[str, int, int, int, int]:
     return name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
-def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
+def check_stat(path: Path, size: int, what: str, source: str = "the manifest") -> None:
+    """What ``stat`` can refuse of a file before it is hashed: a link, a missing file, another size."""
     if path.is_symlink():  # its bytes could change after they are hashed, and the stamps are the target's
         raise IntegrityError(f"{what} {path} is a symbolic link: only a regular file is checked and loaded (copy the "
                              "file in its place; for a DVC output, `dvc config cache.type reflink,hardlink,copy`)")
     if not path.is_file():
         raise IntegrityError(f"{what} {path} is missing")
     if path.stat().st_size != size:
-        raise IntegrityError(f"{what} {path} has {path.stat().st_size} bytes, the manifest says {size}")
+        raise IntegrityError(f"{what} {path} has {path.stat().st_size} bytes, {source} says {size}")
+
+
+def verify_file(path: Path, size: int, sha256: str, what: str) -> None:
+    check_stat(path, size, what)
     actual = sha256_file(path)
     if actual != sha256:
         raise IntegrityError(f"{what} {path} has sha256 {actual}, the manifest says {sha256}: it is corrupt or "

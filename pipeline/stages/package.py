@@ -58,8 +58,10 @@ def run(cfg: PipelineConfig) -> StageResult:
         log.info("package: %s is up to date (%s)", cfg.variant.name, paths.dist)
         return StageResult("package", StageStatus.skipped)
     started = time.monotonic()
-    for member in build.members:  # the build directory must still be what the trace recorded
-        archive_mod.verify_file(paths.build / member.path, member.size, member.sha256, "rank file")
+    # The build directory must still be what the trace recorded: what stat can tell, now; the bytes are hashed as they
+    # are packed (one read of the rank files, not two) and compared below, before anything is renamed into place.
+    for member in build.members:
+        archive_mod.check_stat(paths.build / member.path, member.size, "rank file", "build.json")
     found = sorted(p.name for p in paths.build.iterdir())
     recorded = [m.path for m in build.members]
     if found != sorted(recorded):
@@ -69,7 +71,8 @@ def run(cfg: PipelineConfig) -> StageResult:
         out = tmp / f"{root}{SUFFIX[cfg.package.format]}"
         packed = archive_mod.pack(paths.build, recorded, root, out, cfg.package.format, cfg.package.threads)
         if packed.members != build.members:
-            raise IntegrityError(f"{paths.build} changed while it was being packed: rerun stage=package")
+            raise IntegrityError(f"{paths.build}: {differing(packed.members, build.members)}; it was changed after the "
+                                 "trace (rerun stage=trace force=true) or while it was packed (rerun stage=package)")
         Manifest(
             schema_version=SCHEMA_VERSION,
             version=version,
@@ -96,3 +99,10 @@ def run(cfg: PipelineConfig) -> StageResult:
 
 def load(cfg: PipelineConfig) -> Manifest:
     return Manifest.read(Paths.of(cfg).manifest)
+
+
+def differing(packed, recorded) -> str:
+    """Which rank files were read other than build.json records them."""
+    recorded_by_path = {m.path: m for m in recorded}
+    return "; ".join(f"{m.path} read with sha256 {m.sha256}, build.json says {recorded_by_path[m.path].sha256}"
+                     for m in packed if m != recorded_by_path.get(m.path)) or "its members differ from build.json's"
