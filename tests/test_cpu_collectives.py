@@ -30,14 +30,18 @@ def _two_ranks(rank: int, world: int, init: str, results) -> None:
     ops, functional = torch.ops.pipeline_cpu, torch.ops._c10d_functional
     mismatches = []
     shapes = [(1, 2560), (3, 7), (4, 300), (cpu_collectives.SLOT_BYTES // 4 + 1,)]  # the last: gloo's fallback
-    for call in range(CALLS):
-        shape = shapes[call % len(shapes)] if call < len(shapes) * 2 else shapes[call % 3]
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(1000 * call + rank)) * 10 ** (call % 5)
-        gloo_sum = functional.wait_tensor(functional.all_reduce(x, "sum", "0"))
-        gloo_gather = functional.wait_tensor(functional.all_gather_into_tensor(x, world, "0"))
-        ours_sum, ours_gather = ops.all_reduce_sum(x), ops.all_gather_dim0(x, world)
-        if not (torch.equal(ours_sum, gloo_sum) and torch.equal(ours_gather, gloo_gather)):
-            mismatches.append(call)
+    try:
+        for call in range(CALLS):
+            shape = shapes[call % len(shapes)] if call < len(shapes) * 2 else shapes[call % 3]
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(1000 * call + rank)) * 10 ** (call % 5)
+            gloo_sum = functional.wait_tensor(functional.all_reduce(x, "sum", "0"))
+            gloo_gather = functional.wait_tensor(functional.all_gather_into_tensor(x, world, "0"))
+            ours_sum, ours_gather = ops.all_reduce_sum(x), ops.all_gather_dim0(x, world)
+            if not (torch.equal(ours_sum, gloo_sum) and torch.equal(ours_gather, gloo_gather)):
+                mismatches.append(call)
+    except Exception as exc:  # noqa: BLE001 - reported: the test fails naming it, not by waiting out the queue
+        results.put((rank, f"rank {rank} failed: {exc!r}"))
+        return
     results.put((rank, mismatches))
     dist.destroy_process_group()
 
@@ -51,9 +55,18 @@ def test_sums_and_gathers_equal_glooes_bit_for_bit_call_after_call():
     procs = [ctx.Process(target=_two_ranks, args=(rank, 2, init, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
-    found = dict(results.get(timeout=300) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
+    found = {}
+    try:
+        while len(found) < len(procs):
+            rank, outcome = results.get(timeout=300)
+            found[rank] = outcome
+            assert not isinstance(outcome, str), outcome  # a failed rank's peer may wait in a collective: stop both
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
     assert found == {0: [], 1: []}
     assert all(proc.exitcode == 0 for proc in procs)
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import BuildError, InputError
+from pipeline.recipe import parallel
 
 ENV = "PIPELINE_CPU_COLLECTIVES"
 CHOICES = ("shared_memory", "gloo")
@@ -51,7 +52,6 @@ FLAG_STRIDE = 64  # bytes between two ranks' flags: one cache line each, so that
 SPIN_CHECKS = 100  # ~ 20 us of checks; then each check yields the core (at once back if nothing else wants it)
 YIELD_CHECKS = 20_000  # ~ 20 ms of those on an idle core; then naps
 NAP_S = 50e-6
-GROUP_NAME = "0"  # the gloo group every cpu-backend process joins (cpu.py GROUP_NAME): the fallback's
 
 _LIBRARY = torch.library.Library("pipeline_cpu", "DEF")
 _LIBRARY.define("all_reduce_sum(Tensor x) -> Tensor")
@@ -186,10 +186,17 @@ def _parts(x: torch.Tensor) -> list[torch.Tensor] | None:
     return _slots.exchange(x)
 
 
+def _world_group() -> str:
+    """The gloo group the rank graphs' own collectives name: the process's default group (cpu.py checks its name)."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD.group_name
+
+
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     parts = _parts(x)
-    if parts is None:  # larger than a slot: gloo's, on every rank alike
-        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", GROUP_NAME))
+    if parts is None:  # larger than a slot: gloo's, on every rank alike (the traced graph's own collective)
+        return parallel.all_reduce_sum(x, _world_group())
     total = parts[0].clone()
     for part in parts[1:]:
         total.add_(part)
@@ -199,8 +206,7 @@ def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def _all_gather_dim0(x: torch.Tensor, world: int) -> torch.Tensor:
     parts = _parts(x)
     if parts is None:
-        return torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.all_gather_into_tensor(x, world, GROUP_NAME))
+        return parallel.all_gather_dim0(x, world, _world_group())
     return torch.cat(parts, dim=0)
 
 

@@ -130,11 +130,17 @@ def linear_in_slices(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out
 
 
+def _bf16_graph_rows(shape) -> dict[str, int]:
+    """A bf16 build's rank graphs and the rows each multiplies per call (sequences x tokens); none of an fp32
+    build's."""
+    if shape.dtype != "bf16":
+        return {}
+    return {e: math.prod(shape.entry_rows(e)) for e in shape.entries}
+
+
 def one_row_entries(shape) -> tuple[str, ...]:
     """The rank graphs of a bf16 build of ``shape`` that multiply one row per call (decode's at batch 1)."""
-    if shape.dtype != "bf16":
-        return ()
-    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) == 1)
+    return tuple(e for e, rows in _bf16_graph_rows(shape).items() if rows == 1)
 
 
 @contextlib.contextmanager
@@ -195,9 +201,7 @@ graph(%a, %b):""" + _CAST + """
 def widened_entries(shape) -> tuple[str, ...]:
     """The rank graphs of a build of ``shape`` (a ``BuildShape``) the fp32 route widens: a bf16 build's graphs that
     multiply ``MIN_ROWS`` rows or more (sequences x tokens per call; none of an fp32 build's)."""
-    if shape.dtype != "bf16":
-        return ()
-    return tuple(e for e in shape.entries if math.prod(shape.entry_rows(e)) >= MIN_ROWS)
+    return tuple(e for e, rows in _bf16_graph_rows(shape).items() if rows >= MIN_ROWS)
 
 
 def rank_graphs_widened(shape) -> bool:
