@@ -224,9 +224,11 @@ def test_every_shape_the_generator_produces_routes_to_a_traced_bucket(tiny_dir, 
     traced = {key: router_key(entry_inputs(spec, shape, key)) for key in model_builder_plan(shape)}
     assert len(set(traced.values())) == len(traced)  # prefill and decode route apart
     runner = RecordingRunner(shape, spec)
+    prompts = [prompts[0][:12], *prompts]  # 12 tokens (a ladder's 16-token bucket), shorter than 32, about three
+    # buckets, about five
     with Checkpoint(tiny_dir, "model.") as ckpt:
         gen = Generator(runner, HostEmbeddings(ckpt, spec), spec.eos_token_ids, spec.pad_token_id)
-        for ids in prompts:  # shorter than a bucket, about three buckets, about five
+        for ids in prompts:
             gen.generate(ids, 4, forced=[5, 6, 7, 8])
         # and all at once, as serve and validation decode a batch (more sequences than lines: some wait)
         BatchEngine(gen.batch).run(*[gen.sequence(ids, 4) for ids in prompts * shape.batch_size])
