@@ -885,19 +885,32 @@ def test_sigterm_finishes_the_running_request_and_refuses_the_waiting_one(publis
     answers: dict[str, Reply] = {}
 
     def ask(name: str) -> None:
-        answers[name] = srv.post("/generate", {"prompt": QUESTION, "max_tokens": 200})
+        answers[name] = srv.post("/generate", {"prompt": QUESTION, "max_tokens": 480})
 
+    def metric(name: str) -> float:
+        lines = srv.get("/metrics").text.splitlines()
+        return next(float(line.split()[1]) for line in lines if line.startswith(name + " "))
+
+    def until(name: str, above: float) -> None:
+        # by what the server reports, not by sleeping: a fast CPU decoded a whole sleep's worth of tokens (the
+        # tiny model at ~180 tokens/s finished "running" before the signal, and "waiting" ran in its place)
+        deadline = time.monotonic() + 60
+        while metric(name) <= above:
+            assert time.monotonic() < deadline, f"{name} never rose above {above}"
+            time.sleep(0.02)
+
+    before = metric("serve_tokens_generated_total")
     running = threading.Thread(target=ask, args=("running",))
     running.start()
-    time.sleep(1.0)
+    until("serve_tokens_generated_total", before)  # decoding
     waiting = threading.Thread(target=ask, args=("waiting",))
     waiting.start()
-    time.sleep(0.5)
+    until("serve_queue_depth", 0)  # queued behind it (batch 1: one cache line)
     srv.proc.send_signal(signal.SIGTERM)
     running.join(timeout=120)
     waiting.join(timeout=120)
     assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()
-    assert answers["running"].status == 200 and answers["running"].json()["new_tokens"] == 200
+    assert answers["running"].status == 200 and answers["running"].json()["new_tokens"] == 480
     assert answers["waiting"].status == 503 and "shutting down" in answers["waiting"].json()["error"]["message"]
     with pytest.raises(ConnectionRefusedError):
         HTTPConnection("127.0.0.1", srv.port, timeout=5).request("GET", "/health")
