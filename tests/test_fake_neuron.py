@@ -365,3 +365,50 @@ print("traced")
     assert first.returncode == 0 and "traced" in out, err
     assert second.returncode != 0 and ("address already in use" in second.stderr.lower()
                                        or "EADDRINUSE" in second.stderr), second.stderr[-2000:]
+
+
+STRICT_BUILD = INPUTS + """
+import sys, torch
+from torch import nn
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
+from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = ColumnParallelLinear(4, 8, bias=False, gather_output=True)
+    def forward(self, a, b, c, d):
+        return self.proj(a[..., :4] + 1).sum(-1)
+
+def from_a_module():  # a loader that builds a model to read its weights (what from_pretrained does)
+    return {"proj.weight": nn.Linear(4, 8, bias=False).weight.detach() * 0 + 1}
+
+def from_files():
+    return {"proj.weight": torch.ones(8, 4)}
+
+loader = from_a_module if sys.argv[2] == "module" else from_files
+builder = ModelBuilder(router=None, tp_degree=2, checkpoint_loader=loader, compiler_workdir=sys.argv[1])
+builder.add("decode", BaseModelInstance(Tiny, {}), [inputs(1)], compiler_args="--auto-cast=none")
+model = builder.trace(initialize_model_weights=True)
+print("OUT", float(model(*inputs(1))[0].flatten()[0]))
+a, b, c, d = inputs(1)
+try:
+    model(a.to(torch.bfloat16), b, c, d)
+    print("BF16 ran")
+except Exception as exc:
+    print("BF16 refused:", str(exc).strip().splitlines()[-1])
+"""
+
+
+def test_model_builder_loads_the_checkpoint_with_parameters_on_meta_and_refuses_a_dtype_it_was_not_traced_with(
+        sdk, tmp_path):
+    """As the real ModelBuilder: the checkpoint loader runs under init_on_device(meta) (v2.28.0 ~813-833), so a loader
+    that builds a module to read its weights hands over meta tensors and the build fails (the pipeline reads the
+    safetensors files, neuron_rank.full_checkpoint); and a call is routed by shape but runs only with the traced
+    dtypes (a NEFF's inputs are typed; nothing converts them)."""
+    built = python(STRICT_BUILD.replace("sys.argv[1]", repr(str(tmp_path / "a"))).replace("sys.argv[2]", "'files'"))
+    assert built.returncode == 0 and "OUT 32.0" in built.stdout, built.stderr[-2000:]
+    assert re.search(r"BF16 refused: .*input 0 of decode is \d+, the graph was traced with \d+", built.stdout), \
+        built.stdout
+    meta = python(STRICT_BUILD.replace("sys.argv[1]", repr(str(tmp_path / "b"))).replace("sys.argv[2]", "'module'"))
+    assert meta.returncode != 0 and "meta" in meta.stderr, meta.stdout + meta.stderr[-2000:]

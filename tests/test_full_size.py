@@ -91,6 +91,60 @@ def test_a_rank_that_cannot_fit_is_refused_before_a_byte_is_written(tmp_path, mo
     assert not (tmp_path / "tp_0.pt").exists()
 
 
+class _NxDModelLike(torch.nn.Module):
+    """What ModelBuilder's traced model holds, in miniature: no weights among its parameters, every rank's weights in
+    ``nxd_model.weights`` (NxD v2.28.0 trace/spmd.py:167), which torch.jit.save writes with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = [{"w": torch.ones(256, 1024)}, {"w": torch.ones(256, 1024)}]  # typed by TorchScript from it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weights[0]["w"].sum()
+
+
+def test_the_room_for_a_modelbuilder_model_counts_the_weights_it_holds_outside_its_parameters(tmp_path, monkeypatch):
+    """Issue 51: the room check before saving model.pt counted parameters and buffers alone, about 64 MiB of
+    slack where the real file is ~9.4 GB (the weights are in NxDModel.weights); now they are counted."""
+    import errno
+    import os
+
+    from pipeline.backends import torchscript
+    from pipeline.backends.neuron_rank import nxd_weights
+
+    traced = torch.nn.Module()
+    traced.nxd_model = torch.jit.script(_NxDModelLike())
+    held = nxd_weights(traced)
+    assert len(held) == 2 and torchscript.archive_bytes(traced, held) == (2 << 20) + torchscript.SAVE_SLACK_BYTES
+    real = os.statvfs(tmp_path)
+    room = torchscript.SAVE_SLACK_BYTES + (1 << 20)  # the slack fits, the weights do not
+    fake = os.statvfs_result((real.f_bsize, 1, 0, 0, room, 0, 0, 0, 0, real.f_namemax))
+    monkeypatch.setattr(os, "statvfs", lambda path: fake)
+    with pytest.raises(OSError) as refused:
+        torchscript.save(traced.nxd_model, tmp_path / "model.pt", strip=False, held=held)
+    assert refused.value.errno == errno.ENOSPC and not (tmp_path / "model.pt").exists()
+
+
+def test_the_debug_record_rewrite_is_refused_before_it_writes_when_its_copy_does_not_fit(tmp_path, monkeypatch):
+    """strip_debug_records writes a whole copy beside the file; a write failing in PyTorch's zip writer aborts the
+    process (the trace stage reported "exited with code -6"), so the room is checked first and the file is left."""
+    import errno
+    import os
+
+    from pipeline.backends import torchscript
+
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.trace(torch.nn.Linear(256, 256), torch.zeros(1, 256)), str(path))
+    before = path.read_bytes()
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result((real.f_bsize, 1, 0, 0, len(before) - 1, 0, 0, 0, 0, real.f_namemax))
+    monkeypatch.setattr(os, "statvfs", lambda p: fake)
+    with pytest.raises(OSError) as refused:
+        torchscript.strip_debug_records(path)
+    assert refused.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
 # -- the float reference ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -375,6 +375,30 @@ def test_host_prefill_is_decided_by_the_installed_sdk_release(monkeypatch, tmp_p
             assert ("unsupported by Neuron, verified by the seed recipe" in caplog.text) == (host_prefill != "built")
 
 
+@pytest.mark.parametrize("release", ["2.25.0", "2.26.1"])
+def test_device_prefill_compiles_on_a_modelbuilder_with_or_without_the_flag_hook(monkeypatch, tmp_path, release):
+    """ModelBuilder takes compiler_flag_hook from SDK 2.26 (NxD commit fecfe75); a DLAMI's 2.23-2.25 has none, and
+    passing it was a TypeError on every device-prefill compile (issue 51). Without it the flags per bucket are read
+    from what add() stored, the --logfile trace() appends added: the same string the hook gets from 2.26 on. Neither
+    release appends --verbose=35 (NxD 0.16 on)."""
+    site = fake_sdk.install(tmp_path / "sdk", release)
+    with fake_sdk.activated(site, monkeypatch):
+        cfg = _prepared(tmp_path / "a", "512_fp32", "variant.tp_degree=1")
+        run(cfg, "trace")
+    build = json.loads((tmp_path / "a" / "gemma4_tiny" / "512_fp32+tp1" / "build.json").read_text())["trace"]
+    assert build["effective_compiler_args"] == NEURON_ARGS + ["-O1"]
+    assert build["compiler_flags"] == {
+        f"{key}/_tp0_bk0": NEURON_ARGS + ["-O1", f"--logfile=<workdir>/model_builder/{key}/_tp0_bk0/log-neuron-cc.txt"]
+        for key in ("decode", "prefill")}
+    assert build["compile_cache"] == {"decode/_tp0_bk0": "compiled", "prefill/_tp0_bk0": "compiled"}
+    # what each graph takes, from its bucket's metaneff.pb (docs/inf2-host.md, first-run checklist: layer_scalar)
+    layers = len(load_spec(tmp_path / "a" / "gemma4_tiny" / "weights").layers)
+    for bucket in ("decode/_tp0_bk0", "prefill/_tp0_bk0"):
+        inputs = build["traced_inputs"][bucket]
+        assert inputs["USER_INPUT"] == 4 and inputs["INPUT_STATE"] > 0 and inputs["INPUT_WEIGHT"] > layers
+        assert inputs["layer_scalar_weights"] == layers
+
+
 def test_neuroncores_the_host_lacks_or_another_run_holds_are_refused_before_any_compile(fake_neuron, tmp_path):
     from pipeline.backends import neuron_cores
     from pipeline.core.errors import PreflightError
@@ -536,20 +560,46 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert parity["mode"] == "exact" and parity["passed"] and parity["prompts"] == 3
 
 
-def test_a_compile_cache_hit_records_the_same_flags_and_says_it_was_a_hit():
-    """NxD compiles with use_cache=True: on a hit neuronx-cc writes no log, so compiler_commands lacks that bucket;
-    the flags come from ModelBuilder's hook either way, and compile_cache says which bucket was compiled."""
+def test_a_compile_cache_hit_records_the_same_flags_and_says_it_was_a_hit(tmp_path):
+    """NxD compiles with use_cache=True: on a hit neuronx-cc writes no log, while NxD writes the NEFF it got back into
+    the bucket's folder either way; the flags come from ModelBuilder's hook either way. compile_cache decides by the
+    files: a log (readable or not) compiled, a NEFF without one a hit, anything else unknown (issue 51: a log that
+    could not be parsed was reported as a hit)."""
     from pipeline.backends.neuron import compile_cache, passed_flags
 
-    workdir = Path("/scratch/compile-gemma4_tiny-512_fp32")
+    workdir = tmp_path / "compile-gemma4_tiny-512_fp32"
+    buckets = ("prefill_16", "prefill", "decode", "lost")
     passed = {f"{key}/_tp0_bk0": f"--auto-cast=none -O1 --verbose=35 --logfile={workdir}/model_builder/{key}/_tp0_bk0/"
-              "log-neuron-cc.txt" for key in ("prefill", "decode")}
-    logged = {"model_builder/prefill/_tp0_bk0/log-neuron-cc.txt": ["compile", "graph.hlo", "--framework", "XLA"]}
-    assert compile_cache(passed, logged) == {"decode/_tp0_bk0": "cache hit", "prefill/_tp0_bk0": "compiled"}
-    assert compile_cache(passed, {}) == {"decode/_tp0_bk0": "cache hit", "prefill/_tp0_bk0": "cache hit"}
+              "log-neuron-cc.txt" for key in buckets}
+    passed["elsewhere/_tp0_bk0"] = f"--auto-cast=none --logfile={tmp_path}/my-log.txt"
+    for key in (*buckets, "elsewhere"):
+        (workdir / "model_builder" / key / "_tp0_bk0").mkdir(parents=True)
+    for key in ("prefill_16", "prefill", "decode", "elsewhere"):
+        (workdir / "model_builder" / key / "_tp0_bk0" / "graph.neff").write_bytes(b"neff")
+    (workdir / "model_builder" / "prefill" / "_tp0_bk0" / "log-neuron-cc.txt").write_text("a command line\n")
+    (workdir / "model_builder" / "prefill_16" / "_tp0_bk0" / "log-neuron-cc.txt").write_text("no command at all\n")
+    (tmp_path / "my-log.txt").write_text("every bucket's log\n")
+    assert compile_cache(passed, workdir) == {"decode/_tp0_bk0": "cache hit", "elsewhere/_tp0_bk0": "unknown",
+                                              "lost/_tp0_bk0": "unknown", "prefill/_tp0_bk0": "compiled",
+                                              "prefill_16/_tp0_bk0": "compiled"}
     assert passed_flags(passed, workdir)["decode/_tp0_bk0"] == [
         "--auto-cast=none", "-O1", "--verbose=35",
         "--logfile=<workdir>/model_builder/decode/_tp0_bk0/log-neuron-cc.txt"]
+
+
+def test_a_compiler_log_without_a_readable_command_line_still_records_flags_and_compiles(monkeypatch, tmp_path):
+    """How neuronx-cc's log starts is not public: with a log the command-line reader cannot read (the stand-in's
+    FAKE_NEURON_LOG_HEAD=opaque) the build records no commands and no SDK-added arguments, and still the flags
+    ModelBuilder passed and each bucket compiled, not a cache hit."""
+    monkeypatch.setenv("FAKE_NEURON_LOG_HEAD", "opaque")
+    site = fake_sdk.install(tmp_path / "sdk")
+    with fake_sdk.activated(site, monkeypatch):
+        cfg = _prepared(tmp_path / "a", "512_fp32", "variant.tp_degree=1", f"backend.compile_cache_dir={tmp_path}/c")
+        run(cfg, "trace")
+    build = json.loads((tmp_path / "a" / "gemma4_tiny" / "512_fp32+tp1" / "build.json").read_text())["trace"]
+    assert build["compiler_commands"] == {} and build["sdk_added_args"] == []
+    assert build["compile_cache"] == {"decode/_tp0_bk0": "compiled", "prefill/_tp0_bk0": "compiled"}
+    assert sorted(build["compiler_flags"]) == ["decode/_tp0_bk0", "prefill/_tp0_bk0"]
 
 
 def test_host_prefill_end_to_end_on_the_stand_in_seeds_each_ranks_kv(neuron_checked):

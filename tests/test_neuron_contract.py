@@ -103,14 +103,36 @@ def fit_problems(call: ast.Call, entry: dict) -> list[str]:
     return problems
 
 
+# Keywords the backend passes only where the installed API has them (neuron_rank.takes_flag_hook): a call site
+# passing one is checked against the releases that take it; the same call without it against every release.
+GATED = {"ModelBuilder": "compiler_flag_hook"}
+
+
 @pytest.mark.parametrize("release", sorted(API["releases"]))
 def test_every_call_the_backend_makes_fits_the_real_api(release):
     api = API["releases"][release]["api"]
     calls = backend_calls()
     assert {name for name, _ in calls} == set(CALLS)  # every mapped call site still exists: none goes unchecked
+    checked = set()
     for name, call in calls:
-        problems = fit_problems(call, api[CALLS[name]])
+        entry = api[CALLS[name]]
+        gated = GATED.get(name)
+        if gated in {k.arg for k in call.keywords} and gated not in {p["name"] for p in entry["params"]}:
+            continue
+        problems = fit_problems(call, entry)
         assert not problems, f"{name}(...) at line {call.lineno} against NxD {release}: {problems}"
+        checked.add(name)
+    assert checked == set(CALLS), f"no call of {set(CALLS) - checked} fits NxD {release}"
+
+
+def test_modelbuilders_flag_hook_is_absent_before_sdk_2_26_and_the_backend_builds_without_it():
+    """compiler_flag_hook first shipped in SDK 2.26 (NxD commit fecfe75): at 2.25.0 passing it is a TypeError on
+    every device-prefill compile (issue 51); the backend has a call without it."""
+    params = {r: {p["name"] for p in API["releases"][r]["api"][CALLS["ModelBuilder"]]["params"]}
+              for r in API["releases"]}
+    assert "compiler_flag_hook" not in params["2.25.0"] and "compiler_flag_hook" in params[neuron_sdk.PINNED]
+    builders = [call for name, call in backend_calls() if name == "ModelBuilder"]
+    assert sorted("compiler_flag_hook" in {k.arg for k in call.keywords} for call in builders) == [False, True]
 
 
 def test_the_contract_check_catches_a_misspelt_argument():
@@ -142,6 +164,15 @@ def stand_in_entry(key: str) -> dict | None:
         return None
 
 
+def test_the_stand_ins_modelbuilder_before_sdk_2_26_has_that_releases_signature():
+    """The stand-in's ModelBuilder takes the installed release's parameters (fake_sdk installs any row of the
+    table): before NxD 0.15 without compiler_flag_hook, as 2.25.0's."""
+    tree = ast.parse((FAKE / "neuronx_distributed" / "trace" / "model_builder.py").read_text())
+    fake = extract.signature(extract.find(tree, "init_before_0_15"))
+    real = API["releases"]["2.25.0"]["api"][CALLS["ModelBuilder"]]
+    assert fake["params"] == real["params"] and (fake["varargs"], fake["varkw"]) == (real["varargs"], real["varkw"])
+
+
 def test_the_stand_ins_signatures_are_the_pinned_releases():
     checked = 0
     for key, real in PINNED["api"].items():
@@ -154,22 +185,36 @@ def test_the_stand_ins_signatures_are_the_pinned_releases():
     assert checked == len(PINNED["api"])  # every entry of the surface is emulated
 
 
+# The stand-in's copy of append_default_compiler_flags per neuronx-distributed version (``--verbose=35`` from 0.16).
+STAND_IN_DEFAULTS = {"0.14.0": "append_default_compiler_flags_before_0_16"}
+
+
 def test_the_stand_in_applies_modelbuilders_default_flag_code():
     tree = ast.parse((FAKE / "neuronx_distributed" / "trace" / "model_builder.py").read_text())
-    digest = extract.code_digest(extract.find(tree, "append_default_compiler_flags"))
     for release in API["releases"].values():
+        name = STAND_IN_DEFAULTS.get(release["nxd_version"], "append_default_compiler_flags")
         entry = release["api"]["neuronx_distributed.trace.model_builder:append_default_compiler_flags"]
         # A change upstream fails here: re-read it and update model_builder_flags (neuron_rank.py) and the stand-in.
-        assert entry["code_sha256"] == digest
+        assert entry["code_sha256"] == extract.code_digest(extract.find(tree, name)), release["ref"]
 
 
-def stand_in_flags(args: list[str]) -> str:
+def stand_in_flags(args: list[str], name: str = "append_default_compiler_flags") -> str:
     """The stand-in ModelBuilder's ``append_default_compiler_flags`` (the real code, per the digest test above)."""
     path = FAKE / "neuronx_distributed" / "trace" / "model_builder.py"
-    fn = extract.find(ast.parse(path.read_text()), "append_default_compiler_flags")
+    fn = extract.find(ast.parse(path.read_text()), name)
     namespace = {"re": re, "logger": logging.getLogger("stand-in"), "Optional": Optional}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace["append_default_compiler_flags"](compiler_arg_string(args))
+    return namespace[name](compiler_arg_string(args))
+
+
+@pytest.mark.parametrize("release", sorted(API["releases"]))
+def test_the_flags_recorded_are_each_releases_defaults(release):
+    """model_builder_flags at each release's neuronx-distributed version is that release's code (2.25.0: no
+    --verbose=35)."""
+    nxd = neuron_sdk.release(release).neuronx_distributed
+    name = STAND_IN_DEFAULTS.get(API["releases"][release]["nxd_version"], "append_default_compiler_flags")
+    for args in (["--model-type=transformer"], [], ["-O2"], ["--verbose=1"]):
+        assert model_builder_flags(args, nxd) == stand_in_flags(args, name)
 
 
 @pytest.mark.parametrize("variant", available_variants(CONF))

@@ -236,15 +236,16 @@ def test_a_dependency_only_the_neuron_repository_serves_comes_from_it_whatever_a
 
 
 def test_a_release_newer_than_the_table_is_reported_and_nothing_installed(env, tmp_path):
-    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"], {"neuronx-cc": ["2.25.1234.0+7d2e9a01"]})
+    # a patch release of the last line for Inf2 (2.31's compiler is 2.26.6360.0): its row is still to be added
+    index = neuron_index(tmp_path / "neuron", ["2.26.1", "2.28.1"], {"neuronx-cc": ["2.26.9999.0+7d2e9a01"]})
     marker, rebuild = rebuild_marker(tmp_path)
     for args in ([], ["--apply", "--rebuild-command", rebuild]):
         result = check(env, "--neuron-index", index, *args)
         assert result.returncode == upgrades.TABLE_BEHIND, result.stderr
-        assert "offers neuronx-cc 2.25.1234.0+7d2e9a01, newer than every release" in result.stderr
+        assert "offers neuronx-cc 2.26.9999.0+7d2e9a01, newer than every release" in result.stderr
         assert "pipeline/backends/neuron_sdk.py" in result.stderr and "n2-manifest.json" in result.stderr
     report = json.loads(check(env, "--neuron-index", index, "--json").stdout)
-    assert report["status"] == "newer-than-table" and report["newer_than_table"] == ["neuronx-cc 2.25.1234.0+7d2e9a01"]
+    assert report["status"] == "newer-than-table" and report["newer_than_table"] == ["neuronx-cc 2.26.9999.0+7d2e9a01"]
     assert upgrades.installed_versions(env) == row("2.26.1") and not marker.exists()
 
 
@@ -282,8 +283,31 @@ def test_a_page_is_read_as_pip_reads_it_and_newer_builds_count_by_their_neuron_p
     newest = neuron_sdk.RELEASES[-1]
     available = {name: [upgrades.Offer(name, v, "u") for v in vs] for name, vs in newest.versions().items()}
     assert upgrades.beyond_table(available) == []
-    available["torch-neuronx"].append(upgrades.Offer("torch-neuronx", "2.7.0.2.14.1", "u"))  # torch 2.7, Neuron 2.14
-    assert upgrades.beyond_table(available) == ["torch-neuronx 2.7.0.2.14.1"]
+    available["torch-neuronx"].append(upgrades.Offer("torch-neuronx", "2.8.0.2.15.40000", "u"))  # Neuron 2.15
+    assert upgrades.beyond_table(available) == ["torch-neuronx 2.8.0.2.15.40000"]
+
+
+def test_releases_after_the_last_line_for_inf2_are_said_plainly_and_never_wait_for_a_row():
+    """From SDK 2.32 Neuron ships no torch-neuronx or neuronx-distributed (Inf2 stays at 2.31, security and critical
+    fixes only): its compiler (2.27.x) and the native stack's libneuronxla 3.0.x, offered beside 2.31's, are no row
+    to add (no exit 4, "table behind", on every scheduled run from then on); the notice says no newer release will
+    support this hardware. A patch of 2.31's own line still is a row to add."""
+    final = neuron_sdk.release("2.31.0")
+    available = {name: [upgrades.Offer(name, v, "u") for v in vs] for name, vs in final.versions().items()}
+    available["neuronx-cc"].append(upgrades.Offer("neuronx-cc", "2.27.5334.0", "u"))  # SDK 2.32's
+    available["libneuronxla"] += [upgrades.Offer("libneuronxla", v, "u") for v in ("3.0.3854.0", "3.0.5356.0")]
+    installed = final.exact_versions("2.9.0")
+    result = upgrades.plan(installed, available, "2.9.0")
+    assert result.status == "current" and result.exit_code == upgrades.UP_TO_DATE and result.newer_than_table == []
+    notice = [n for n in result.notes if neuron_sdk.FINAL_NOTICE in n]
+    assert len(notice) == 1 and "offers neuronx-cc 2.27.5334.0, libneuronxla 3.0.3854.0, libneuronxla 3.0.5356.0" \
+        in notice[0] and "no newer release will support this hardware" in notice[0]
+    available["neuronx-cc"].append(upgrades.Offer("neuronx-cc", "2.26.7000.0", "u"))  # a 2.31 patch
+    assert upgrades.plan(installed, available, "2.9.0").status == "newer-than-table"
+    older = upgrades.plan(neuron_sdk.release("2.28.1").exact_versions("2.8.0"), {
+        name: [upgrades.Offer(name, v, "u") for v in vs] for name, vs in neuron_sdk.release("2.28.1").versions().items()
+    }, "2.8.0")
+    assert not [n for n in older.notes if neuron_sdk.FINAL_NOTICE in n]  # said where it applies, not everywhere
 
 
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -53,11 +54,12 @@ from pipeline.backends.aliased_rank import shape_problems
 from pipeline.backends.base import RankRunner, TraceRequest, check_request, graph_inputs
 from pipeline.backends.neuron_cores import VISIBLE_CORES_ENV, Lease, acquire, leased, trace_port
 from pipeline.backends.neuron_job import CompileResult, make_job
+from pipeline.backends.neuron_rank import COMPILER_LOG
 from pipeline.backends.torchscript import strip_debug_records
 from pipeline.core.build_records import Member, ToolchainRecord, TraceResult
 from pipeline.core.choices import StrEnum
 from pipeline.core.errors import BuildError, ConfigError, IntegrityError
-from pipeline.core.fsutil import sha256_file, staged_dir
+from pipeline.core.fsutil import reporting_full_disk, sha256_file, staged_dir
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape, rank_members
 from pipeline.core.units import visible_cores_problems
@@ -70,6 +72,7 @@ HOST_OOM_RE = re.compile(r"(returned|exit(?:ed)?(?: with)?(?: code| status)?)\s*
                          r"|\bSIGKILL\b|\bKilled\b", re.IGNORECASE)
 DEVICE_OOM_RE = re.compile(r"NCC_EOOM\d*|Failed to alloc(?:ate)? DEVICE memory", re.IGNORECASE)
 STATE_NAME_RE = re.compile(r"^states\.(\d+)$")
+METANEFF = "metaneff.pb"  # each ModelBuilder bucket's traced inputs and outputs: torch-neuronx's MetaNeff message
 
 
 # -- what can be decided without the hardware ------------------------------------------------------------------------
@@ -201,9 +204,6 @@ def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
     return (Path(base) / f"compile-{out_dir.parent.parent.name}-{out_dir.parent.name}").resolve()
 
 
-COMPILER_LOG = "log-neuron-cc.txt"  # neuronx-cc's log; NxD's LOG_FILE_DEFAULT_NAME (model_builder.py:79)
-
-
 def compiler_commands(workdir: Path) -> dict[str, list[str]]:
     """Each compile's neuronx-cc arguments, as its log's command line shows them (neuronx-cc starts its log with it:
     ``... INFO ... [root]: /.../neuronx-cc compile <hlo> --framework XLA --target ... --output ... <flags>``), by the
@@ -233,15 +233,54 @@ def passed_flags(passed: dict[str, str], workdir: Path) -> dict[str, list[str]]:
             for bucket, flags in sorted(passed.items())}
 
 
-def compile_cache(passed: dict[str, str], commands: dict[str, list[str]]) -> dict[str, str]:
-    """Per bucket, ``compiled`` when neuronx-cc ran (its log is under the bucket's folder) or ``cache hit`` (NxD
-    compiles with ``use_cache=True``, v2.28.0 model_builder.py ~603-624: on a hit neuronx-cc does not run and writes
-    no log, so ``compiler_commands`` and ``sdk_added_args`` have nothing of that bucket)."""
+def compile_cache(passed: dict[str, str], workdir: Path) -> dict[str, str]:
+    """Per bucket, whether neuronx-cc ran: ``compiled`` when its log is in the bucket's folder, ``cache hit`` when
+    the folder holds the bucket's NEFF and no log (NxD compiles with ``use_cache=True``, v2.28.0 model_builder.py
+    ~603-624, and writes the NEFF it gets back, compiled or cached, to ``<key>/_tp0_bk<N>/graph.neff``, ~747-750; on
+    a hit the compiler does not run and writes no log), else ``unknown`` (neither file, or a ``--logfile`` of the
+    user's elsewhere, where every bucket logs). Decided by the files, not by parsing the log, whose format is
+    neuronx-cc's (closed source): a log ``compiler_commands`` cannot read still means the bucket compiled."""
+    from pipeline.backends.neuron_rank import MODEL_BUILDER_DIR, NEFF_FILE, logfile_of
+
+    found = {}
+    for bucket, flags in sorted(passed.items()):
+        folder = Path(workdir) / MODEL_BUILDER_DIR / bucket
+        log_file = logfile_of(flags)
+        if log_file is None or log_file.parent != folder:
+            found[bucket] = "unknown"
+        elif log_file.is_file():
+            found[bucket] = "compiled"
+        else:
+            found[bucket] = "cache hit" if (folder / NEFF_FILE).is_file() else "unknown"
+    return found
+
+
+def traced_inputs(passed: dict[str, str], workdir: Path) -> dict[str, dict[str, int] | str]:
+    """Per bucket, its graph's inputs by kind (``USER_INPUT``, ``INPUT_STATE``, ``INPUT_WEIGHT``) and how many of
+    the weights are ``layer_scalar`` buffers (none: torch-neuronx folded them as constants), read from the
+    ``metaneff.pb`` NxD writes into each bucket's folder (v2.28.0 model_builder.py ~753-758) with torch-neuronx's
+    own message class, as NxDI's utils/snapshot.py (~361-372) reads it. A bucket without the file or the class: a
+    sentence saying so."""
     from pipeline.backends.neuron_rank import MODEL_BUILDER_DIR
 
-    logged = {Path(log_path).parent.as_posix() for log_path in commands}
-    return {bucket: "compiled" if f"{MODEL_BUILDER_DIR}/{bucket}" in logged else "cache hit"
-            for bucket in sorted(passed)}
+    try:
+        from torch_neuronx.proto import metaneff_pb2
+    except ImportError as exc:
+        return {bucket: f"unknown: {exc}" for bucket in sorted(passed)}
+    found: dict[str, dict[str, int] | str] = {}
+    for bucket in sorted(passed):
+        path = Path(workdir) / MODEL_BUILDER_DIR / bucket / METANEFF
+        if not path.is_file():
+            found[bucket] = f"unknown: no {METANEFF} in the bucket's folder"
+            continue
+        meta = metaneff_pb2.MetaNeff()
+        meta.ParseFromString(path.read_bytes())
+        kinds = Counter(metaneff_pb2.MetaTensor.Type.Name(t.type) for t in meta.input_tensors)
+        weights = [t.checkpoint_key.decode() for t in meta.input_tensors
+                   if t.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT]
+        found[bucket] = {**dict(sorted(kinds.items())),
+                         "layer_scalar_weights": sum(key.endswith("layer_scalar") for key in weights)}
+    return found
 
 
 def sdk_added_args(commands: dict[str, list[str]], ours: list[str]) -> list[str]:
@@ -396,6 +435,8 @@ class NeuronBackend:
                                              str(result_path)], result_path, what, request,
                                             env=compile_env(lease), cwd=workdir)
             commands = compiler_commands(workdir)
+            cache = compile_cache(result.compiler_flags, workdir)  # before the work files go
+            inputs = traced_inputs(result.compiler_flags, workdir)
             workdir_bytes = tree_bytes(workdir)  # the sharded checkpoints and compiler files at their largest
             found = sorted(p.name for p in tmp.iterdir())
             if found != sorted(self.members(shape)):
@@ -404,8 +445,9 @@ class NeuronBackend:
             # The work files go before the rewrite below writes its copy: ModelBuilder's sharded checkpoints (all
             # ranks' bytes), the model file and its copy were 3x the ranks' bytes on disk at once; now 2x.
             shutil.rmtree(workdir, ignore_errors=True)
-            for name in found:
-                strip_debug_records(tmp / name)  # the same bytes from any checkout, environment or host
+            for name in found:  # the same bytes from any checkout, environment or host
+                with reporting_full_disk(tmp / name, f"trace: rewriting {name} without its debug records"):
+                    strip_debug_records(tmp / name)
             members = tuple(Member(name, (tmp / name).stat().st_size, sha256_file(tmp / name)) for name in found)
         shutil.rmtree(workdir, ignore_errors=True)
         return TraceResult(members=members, layout=layout(shape), peak_rss_bytes=peak, details={
@@ -416,9 +458,11 @@ class NeuronBackend:
             "max_parallel": request.max_parallel,
             "compile_cache_dir": request.compile_cache_dir,
             "compiler": "neuronx-cc",
-            "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args)),
+            "effective_compiler_args": effective_compiler_args(shape, list(request.compiler_args),
+                                                               neuron_sdk.installed_versions()["neuronx-distributed"]),
             "compiler_flags": passed_flags(result.compiler_flags, workdir),
-            "compile_cache": compile_cache(result.compiler_flags, commands),
+            "compile_cache": cache,
+            "traced_inputs": inputs,
             "compiler_commands": commands,
             "sdk_added_args": sdk_added_args(commands, list(request.compiler_args)),
             "workdir_bytes": workdir_bytes,

@@ -28,6 +28,7 @@ RESULT.json (both records: pipeline/backends/neuron_job.py).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 import shlex
@@ -51,6 +52,8 @@ from pipeline.recipe.parallel import Parallel, ShardLinear
 DEVICE_PREFILL_API = "neuronx_distributed.trace.model_builder.ModelBuilder"
 HOST_PREFILL_API = "neuronx_distributed.trace.parallel_model_trace"
 NXD_MODEL_FILE = "model.pt"
+COMPILER_LOG = "log-neuron-cc.txt"  # neuronx-cc's log; NxD's LOG_FILE_DEFAULT_NAME (model_builder.py:79)
+NEFF_FILE = "graph.neff"  # NxD's NEFF_FILE: each bucket's compiled graph in its work folder (v2.28.0 ~750)
 MODEL_BUILDER_DIR = "model_builder"  # ModelBuilder's compiler_workdir, inside the compile's work directory
 
 
@@ -228,12 +231,14 @@ def compiler_arg_string(args: list[str]) -> str:
     return shlex.join(args)
 
 
-def model_builder_flags(args: list[str]) -> str:
+def model_builder_flags(args: list[str], nxd_version: str | None = None) -> str:
     """The flags neuronx-cc gets from ``ModelBuilder.add(compiler_args=compiler_arg_string(args))``: ModelBuilder's
     ``append_default_compiler_flags``, re-implemented from neuronx-distributed v2.28.0 trace/model_builder.py
     (~104-124; unchanged in 0.18; 0.12 substituted the defaults only for None): no flags at all get its defaults;
-    ``--auto-cast=none`` is appended when no ``--auto-cast`` is given, ``-O1`` when no ``-O<n>`` is, and
-    ``--verbose=35`` when no ``--verbose`` is. (``trace`` then adds ``--logfile=<workdir>/<key>/...``.)"""
+    ``--auto-cast=none`` is appended when no ``--auto-cast`` is given, ``-O1`` when no ``-O<n>`` is, and, from NxD
+    0.16 (SDK 2.27; absent at 2.25.0, c63420c ~92-108), ``--verbose=35`` when no ``--verbose`` is. ``nxd_version``:
+    the installed neuronx-distributed's (None: the pinned release's). (``trace`` then adds
+    ``--logfile=<workdir>/<key>/...``.)"""
     flags = compiler_arg_string(args)
     if not flags:
         flags = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
@@ -241,15 +246,56 @@ def model_builder_flags(args: list[str]) -> str:
         flags += " --auto-cast=none "
     if not re.search(r"-O\d+", flags):
         flags += " -O1 "
-    if "--verbose" not in flags:
+    if "--verbose" not in flags and release_at_least(nxd_version, "0.16"):
         flags += " --verbose=35"
     return flags
 
 
-def effective_compiler_args(shape: BuildShape, args: list[str]) -> list[str]:
+def release_at_least(nxd_version: str | None, first: str) -> bool:
+    """Whether neuronx-distributed ``nxd_version`` (None: the pinned release's) is ``first`` or later."""
+    from packaging.version import Version
+
+    from pipeline.backends import neuron_sdk
+
+    version = nxd_version or neuron_sdk.release(neuron_sdk.PINNED).neuronx_distributed
+    return Version(version) >= Version(first)
+
+
+def effective_compiler_args(shape: BuildShape, args: list[str], nxd_version: str | None = None) -> list[str]:
     """What neuronx-cc is given for this variant: ModelBuilder's flags (device prefill), or the arguments as they are
     (``parallel_model_trace`` passes them through unchanged)."""
-    return shlex.split(model_builder_flags(args)) if shape.prefill == "device" else list(args)
+    return shlex.split(model_builder_flags(args, nxd_version)) if shape.prefill == "device" else list(args)
+
+
+def takes_flag_hook(builder_class) -> bool:
+    """Whether this ModelBuilder takes ``compiler_flag_hook``: from SDK 2.26 (NxD 0.15, commit fecfe75), not before
+    (2.25.0, c63420c model_builder.py:1291-1308), where passing it is a ``TypeError``."""
+    return "compiler_flag_hook" in inspect.signature(builder_class.__init__).parameters
+
+
+def logfile_of(flags: str) -> Path | None:
+    """The ``--logfile`` a compile was given (``--logfile=PATH`` or ``--logfile PATH``), or None."""
+    words = shlex.split(flags)
+    for i, word in enumerate(words):
+        if word.startswith("--logfile="):
+            return Path(word.split("=", 1)[1])
+        if word == "--logfile" and i + 1 < len(words):
+            return Path(words[i + 1])
+    return None
+
+
+def stored_flags(builder, workdir: str) -> dict[str, str]:
+    """Per bucket, the flags ModelBuilder compiles it with, where it takes no ``compiler_flag_hook`` (SDK 2.23-2.25):
+    what ``add`` stored (its defaults applied) plus the ``--logfile`` that ``trace`` appends when none is given,
+    exactly as ``trace`` builds them before the compile (2.25.0 c63420c model_builder.py:1564-1566; the hook gets
+    this very string from 2.26 on)."""
+    flags = {}
+    for key, container in builder.model_collection.items():
+        args = container.compiler_args
+        if "--logfile" not in args:
+            args += f" --logfile={(Path(workdir) / key / '_tp0_bk0' / COMPILER_LOG).absolute()}"
+        flags[f"{key}/_tp0_bk0"] = args
+    return flags
 
 
 # -- the two trace paths ----------------------------------------------------------------------------------------------
@@ -292,20 +338,35 @@ def trace_device_prefill(job: NeuronJob) -> dict[str, str]:
         passed[f"{key}/_tp0_bk{bucket_rank}"] = flags
         return flags
 
-    builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=functools.partial(
-        full_checkpoint, job), compiler_workdir=str(Path(job.workdir) / MODEL_BUILDER_DIR),
-        compiler_flag_hook=record_flags)
+    loader, workdir = functools.partial(full_checkpoint, job), str(Path(job.workdir) / MODEL_BUILDER_DIR)
+    hooked = takes_flag_hook(ModelBuilder)
+    if hooked:
+        builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=loader,
+                               compiler_workdir=workdir, compiler_flag_hook=record_flags)
+    else:  # SDK 2.23-2.25: the same flags, read from what add() stored
+        builder = ModelBuilder(router=None, tp_degree=shape.tp_degree, checkpoint_loader=loader,
+                               compiler_workdir=workdir)
     for key in model_builder_plan(shape):
         builder.add(key, RankInstance(job, key), [entry_inputs(spec, shape, key)],
                     compiler_args=compiler_arg_string(list(job.compiler_args)))
+    if not hooked:
+        passed.update(stored_flags(builder, workdir))
     traced = builder.trace(initialize_model_weights=True)
     path = Path(job.out_dir) / NXD_MODEL_FILE
     # Record by record (to a file object, torch.jit.save builds the whole archive in memory first: both ranks'
     # weights, 9.4 GB at E4B's bf16), after checking the disk can hold it; the stage strips its debug records once
     # the work files are gone.
     with reporting_full_disk(path, "trace: saving the ModelBuilder model"):
-        save_torchscript(traced, path, strip=False)
+        save_torchscript(traced, path, strip=False, held=nxd_weights(traced))
     return passed
+
+
+def nxd_weights(traced) -> list[torch.Tensor]:
+    """Every rank's weights as ModelBuilder's traced model holds them: not in its parameters (a few MiB) but in
+    ``nxd_model.weights``, one ``{checkpoint key: tensor}`` per rank (NxD v2.28.0 trace/spmd.py:167, filled by
+    ``initialize`` ~181-193 when traced with ``initialize_model_weights=True``), which ``torch.jit.save`` writes
+    into ``model.pt`` (about 9.4 GB at E4B's bf16)."""
+    return [tensor for rank in traced.nxd_model.weights for tensor in rank.values()]
 
 
 def stop_with_parent() -> None:

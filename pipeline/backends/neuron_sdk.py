@@ -5,8 +5,10 @@ backend refuses an installed mix of packages that is not exactly one row before 
 decided by the row.
 
 Versions are those of the Neuron release manifest (aws-neuron/aws-neuron-sdk ``src/helperscripts/n2-manifest.json``,
-manifest 2.32.0 of 2026-08-17); neuronx-distributed's own ``_version.py`` agrees at each release tag (0.12.0 at 2.23,
-0.15.0 at 2.26, 0.16.0 at 2.27, 0.17.0 at 2.28, 0.18.0 at 2.29). torch-neuronx is built for several torch versions
+manifest 2.32.0 of 2026-08-17, the same entries at each release's tag; the 2.30/2.31 setup pages pin the same
+torch-neuronx and neuronx-cc); neuronx-distributed's own ``_version.py`` agrees at each release commit (0.12.0 at
+2.23, 0.14.0 at 2.25, 0.15.0 at 2.26, 0.16.0 at 2.27, 0.17.0 at 2.28, 0.18.0 at 2.29; no 2.30/2.31 source is
+public). torch-neuronx is built for several torch versions
 per release (``2.8.0.2.12.22436`` is torch 2.8.0's build of release 2.28); the extra takes the torch 2.8 one, the
 front end the seed recipe ran.
 
@@ -79,7 +81,23 @@ RELEASES = (
                "0.17.26814", "2.2.15515.0", VERIFIED),
     SdkRelease("2.29.0", ("2.9.0.2.13.24727",), "2.24.5133.0", "0.18.27753", "2.2.16408.0", UNSUPPORTED),
     SdkRelease("2.29.1", ("2.9.0.2.13.26312",), "2.24.8799.0", "0.18.27753", "2.2.16408.0", UNSUPPORTED),
+    # From 2.30 the manifest also lists libneuronxla 3.0.x, the native-PyTorch stack's; torch-neuronx's is 2.2.x.
+    # These releases need Python 3.11-3.13 (3.10 ended at 2.30: announcement-python-3-10-eol); the contract data
+    # cannot cover them (neuronx-distributed 0.19's source is not on GitHub).
+    SdkRelease("2.30.0", ("2.9.0.2.14.27725",), "2.25.3371.0", "0.19.28093", "2.2.16974.0", UNSUPPORTED),
+    # 2.31.0 and 2.31.1 ship the same pip packages (2.31.1 changed aws-neuron-tools only); the row names 2.31.0.
+    SdkRelease("2.31.0", ("2.9.0.2.15.32035",), "2.26.6360.0", "0.19.28492", "2.2.17544.0", UNSUPPORTED),
 )
+FINAL_LINE = "2.31"
+"""The last release line with torch-neuronx and neuronx-distributed for Inf2: from 2.32 Neuron ships neither (the
+2.32 setup pages: torch-neuronx "is not included in Neuron 2.32.0 ... use ... Neuron 2.31";
+about-neuron/announcements/neuron2.x/announce-nxdi-maintenance-support-2-31.rst: NxD Core 0.19.28492 "will continue to
+be supported with critical bug fixes and security patches. No new releases are planned."). Only 2.31's own patch
+releases can be added below it."""
+FINAL_NOTICE = (f"Neuron SDK {FINAL_LINE} is the last release line with torch-neuronx and neuronx-distributed for "
+                f"Inf2 (from 2.32 Neuron ships neither; NxD is kept at {FINAL_LINE} with security and critical fixes "
+                "only, announce-nxdi-maintenance-support-2-31): no newer release will support this hardware. "
+                f"{FINAL_LINE}'s own patch releases are still added to the table and rebuilt")
 PINNED = "2.28.1"
 """The release the ``[neuron]`` extra installs (with torch 2.8.0's torch-neuronx build)."""
 PINNED_TORCH = "2.8.0"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ def strip_debug_records(path: Path) -> bool:
         return False
     kept = [n for n in names if not is_debug_record(n) and n not in WRITTEN_BY_WRITER]
     sizes = record_sizes(path)
+    # The rewrite is a second copy beside the original: a write failing inside PyTorch's zip writer aborts the
+    # process (``save`` says why), so the room is checked first (an OSError, ENOSPC or EFBIG).
+    require_room(path, path.stat().st_size)
     tmp = path.with_name(f".{path.name}{TMP_MARK}strip")
     try:
         with open(tmp, "wb") as f:
@@ -94,10 +98,12 @@ def strip_debug_records(path: Path) -> bool:
 SAVE_SLACK_BYTES = 64 << 20  # beyond the tensors: the archive's code, pickles and zip records
 
 
-def archive_bytes(module) -> int:
-    """What ``torch.jit.save`` writes for ``module``, bounded from above: its tensors' storages, plus slack."""
+def archive_bytes(module, held: Iterable[torch.Tensor] = ()) -> int:
+    """What ``torch.jit.save`` writes for ``module``, bounded from above: its tensors' storages, plus slack.
+    ``held``: tensors the module holds beyond its parameters and buffers (in attributes, as NxD's ``NxDModel`` holds
+    every rank's weights), each storage counted once."""
     storages = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
+    for tensor in [*module.parameters(), *module.buffers(), *held]:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) + SAVE_SLACK_BYTES
@@ -118,7 +124,7 @@ def require_room(path: Path, size: int, copies: int = 1) -> None:
                       "bytes free", str(path))
 
 
-def save(module, path: Path, strip: bool = True) -> None:
+def save(module, path: Path, strip: bool = True, held: Iterable[torch.Tensor] = ()) -> None:
     """``torch.jit.save(module)`` into the new file ``path``, holding no copy of the archive in memory, then
     ``strip_debug_records``; refused with an ``OSError`` before writing when the file system or ``ulimit -f`` cannot
     hold the file and the stripped copy ``strip_debug_records`` writes beside it.
@@ -129,10 +135,10 @@ def save(module, path: Path, strip: bool = True) -> None:
     tried under ``ulimit -f``; a pipe does not do either: the writer checks its stream's position), hence the check
     first. What the check cannot see (another process filling the disk during the save) still aborts the rank
     process, which its parent reports with the signal. ``strip=False`` leaves the rewrite to the caller (the neuron
-    backend's stage does it once ModelBuilder's work files are gone).
+    backend's stage does it once ModelBuilder's work files are gone). ``held``: as for ``archive_bytes``.
     """
     path = Path(path)
-    require_room(path, archive_bytes(module), copies=2 if strip else 1)
+    require_room(path, archive_bytes(module, held), copies=2 if strip else 1)
     torch.jit.save(module, str(path))
     if strip:
         strip_debug_records(path)

@@ -225,14 +225,33 @@ def newest_first() -> list[SdkRelease]:
     return sorted(neuron_sdk.RELEASES, key=lambda r: Version(r.release), reverse=True)
 
 
-def beyond_table(available: dict[str, list[Offer]]) -> list[str]:
-    """Versions newer than every row knows (pre-releases and yanked files aside, as pip leaves them aside)."""
+def newer_offers(available: dict[str, list[Offer]]) -> list[tuple[str, str]]:
+    """(package, version) newer than every row knows (pre-releases and yanked files aside, as pip leaves them)."""
     found = []
     for name, files in available.items():
         known = max(release_key(name, v) for row in neuron_sdk.RELEASES for v in row.versions()[name])
         versions = {o.version for o in files if not o.yanked and not Version(o.version).is_prerelease}
-        found += [f"{name} {v}" for v in sorted(versions, key=Version) if release_key(name, v) > known]
+        found += [(name, v) for v in sorted(versions, key=Version) if release_key(name, v) > known]
     return found
+
+
+def after_final_line(name: str, version: str) -> bool:
+    """Whether ``version`` is of a line after the last release line for Inf2 (neuron_sdk.FINAL_LINE): neuronx-cc
+    2.27 (SDK 2.32), libneuronxla 3.0 (the native-PyTorch stack's). Its first two Neuron numbers decide: a patch
+    release of the final line (neuronx-cc 2.26.x) is not after it."""
+    final = neuron_sdk.release(max((r.release for r in neuron_sdk.RELEASES if r.release.startswith(
+        neuron_sdk.FINAL_LINE + ".")), key=Version))
+    line = max(release_key(name, v).release[:2] for v in final.versions()[name])
+    return release_key(name, version).release[:2] > line
+
+
+def beyond_table(available: dict[str, list[Offer]]) -> list[str]:
+    """Versions newer than every row knows that a row could still be added for (``after_final_line`` aside)."""
+    return [f"{name} {v}" for name, v in newer_offers(available) if not after_final_line(name, v)]
+
+
+def after_final(available: dict[str, list[Offer]]) -> list[str]:
+    return [f"{name} {v}" for name, v in newer_offers(available) if after_final_line(name, v)]
 
 
 def plan(installed: dict[str, str | None], available: dict[str, list[Offer]], torch: str) -> Plan:
@@ -242,6 +261,10 @@ def plan(installed: dict[str, str | None], available: dict[str, list[Offer]], to
     if target:
         result.target_release, result.target = target[0].release, target[1]
     result.notes += torch_notes(result, available)
+    later = after_final(available)
+    if later or (row is not None and row.release.startswith(neuron_sdk.FINAL_LINE + ".")):
+        offered = f"the Neuron repository offers {', '.join(later)}, of later lines: " if later else ""
+        result.notes.append(offered + neuron_sdk.FINAL_NOTICE)
     result.newer_than_table = beyond_table(available)
     if result.newer_than_table:
         result.status = "newer-than-table"

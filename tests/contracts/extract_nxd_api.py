@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 # release -> the git ref of neuronx-distributed that shipped in it
-REFS = {"2.28.1": "v2.28.0", "2.29.0": "fbac349"}
+REFS = {"2.25.0": "c63420c", "2.28.1": "v2.28.0", "2.29.0": "fbac349"}
 # module -> (file in the repository, [qualified names])
 SURFACE = {
     "neuronx_distributed.trace.trace": ("src/neuronx_distributed/trace/trace.py", [

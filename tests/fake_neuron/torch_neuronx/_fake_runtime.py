@@ -191,9 +191,11 @@ def compile_graph(hlo: Path, neff: Path, flags, target: str = "inf2") -> list[st
     - Its command is ``neuronx-cc compile <hlo> --framework XLA --target <target> --output <neff>`` then the given
       flags (the 1.x copy; NxD v2.28.0 model_builder.py passes ``platform_target`` apart from the flags, so the
       target is added below NxD), split like a shell (``shlex.split``) when it is one string.
-    - The first line of its log is that command (a log of a real compile starts ``INFO ... [root]: .../neuronx-cc
-      compile --framework XLA ...``); the log goes to ``--logfile`` if given, else to ``log-neuron-cc.txt`` in the
-      working directory.
+    - The first line of its log is that command; the log goes to ``--logfile`` if given, else to
+      ``log-neuron-cc.txt`` in the working directory. How a real log starts is not public (neuronx-cc is closed
+      source; its docs say only that it logs there, compiler/neuronx-cc/api-reference-guide ``--logfile``): the line
+      is this stand-in's guess, and ``FAKE_NEURON_LOG_HEAD=opaque`` writes a log without a command line, the case
+      the pipeline must also get right (it reads the flags from ModelBuilder, not from the log).
     """
     import datetime
 
@@ -207,8 +209,12 @@ def compile_graph(hlo: Path, neff: Path, flags, target: str = "inf2") -> list[st
     log = Path(logfile) if logfile else Path(cwd) / LOG_FILE_DEFAULT_NAME
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
-        out.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}.000 INFO {os.getpid()} [root]: "
-                  f"{shlex.join(command)}\n")
+        if os.environ.get("FAKE_NEURON_LOG_HEAD") == "opaque":
+            out.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}.000 INFO {os.getpid()} [Compiler]: compiling "
+                      f"{Path(hlo).name}\n")
+        else:
+            out.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}.000 INFO {os.getpid()} [root]: "
+                      f"{shlex.join(command)}\n")
     return command
 
 
@@ -225,10 +231,14 @@ def compile_cached(graph: str, hlo: Path, neff: Path, flags: str) -> list[str] |
     the cache's layout does."""
     key = hashlib.sha256((graph + flags.replace(" ", "")).encode()).hexdigest()[:20]
     entry = Path(os.environ.get("NEURON_COMPILE_CACHE_URL", DEFAULT_CACHE)) / "neuronxcc-fake" / f"MODULE_{key}"
-    if (entry / "model.done").is_file():
-        return None
-    command = compile_graph(hlo, neff, flags)
-    entry.mkdir(parents=True, exist_ok=True)
-    (entry / "compile_flags.json").write_text(json.dumps(shlex.split(flags)))
-    (entry / "model.done").write_text("")
+    command = None
+    if not (entry / "model.done").is_file():
+        command = compile_graph(hlo, neff, flags)
+        entry.mkdir(parents=True, exist_ok=True)
+        (entry / "compile_flags.json").write_text(json.dumps(shlex.split(flags)))
+        (entry / "model.done").write_text("")
+    # ModelBuilder writes the NEFF bytes it got back, compiled or cached, into the bucket's folder (v2.28.0
+    # model_builder.py ~747-750, write_neff_to_file)
+    Path(neff).parent.mkdir(parents=True, exist_ok=True)
+    Path(neff).write_bytes(graph.encode())
     return command

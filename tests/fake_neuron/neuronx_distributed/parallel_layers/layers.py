@@ -19,11 +19,13 @@ from neuronx_distributed.parallel_layers.mappings import (
 )
 
 
-def _weight(shape, dtype, partition_dim):
-    weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    weight.tensor_model_parallel = True
-    weight.partition_dim = partition_dim
-    return weight
+def _register_weight(layer, shape, dtype, partition_dim):
+    """``layer.weight``, registered first and marked after (``set_tensor_model_parallel_attributes`` on
+    ``self.weight``, v2.28.0 layers.py ~679-690, ~926-935): under ``init_on_device(meta)`` the registered parameter
+    is a new meta one, and the marks must land on it."""
+    layer.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    layer.weight.tensor_model_parallel = True
+    layer.weight.partition_dim = partition_dim
 
 
 def _group(given):
@@ -72,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         if output_size % world:
             raise ValueError(f"output_size {output_size} is not divisible by the tensor parallel size {world}")
         self.input_size, self.output_size, self.gather_output = input_size, output_size, gather_output
-        self.weight = _weight((output_size // world, input_size), dtype, 0)
+        _register_weight(self, (output_size // world, input_size), dtype, 0)
 
     def forward(self, input: torch.Tensor, slice_indices: torch.Tensor | None = None) -> torch.Tensor:
         output = nn.functional.linear(input, self.weight)
@@ -114,7 +116,7 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.reduce_output = reduce_output
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else dtype
-        self.weight = _weight((output_size, input_size // world), dtype, 1)
+        _register_weight(self, (output_size, input_size // world), dtype, 1)
 
     def forward(self, input_: torch.Tensor, slice_indices: torch.Tensor | None = None) -> torch.Tensor:
         output = nn.functional.linear(input_, self.weight)

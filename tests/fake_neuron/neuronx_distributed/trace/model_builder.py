@@ -25,6 +25,8 @@ What it does as the real one does (line numbers at v2.28.0):
   imported first (the real file holds ``torch.classes.neuron.SPMDModel`` objects, registered by torch_neuronx).
 """
 
+import concurrent.futures
+import contextlib
 import logging
 import os
 import re
@@ -45,6 +47,12 @@ logger = logging.getLogger("Neuron")
 LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"
 
 
+def _nxd_version() -> tuple[int, ...]:
+    import neuronx_distributed
+
+    return tuple(int(part) for part in neuronx_distributed.__version__.split(".")[:2])
+
+
 def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     if not compiler_args:
         compiler_args = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
@@ -61,6 +69,22 @@ def append_default_compiler_flags(compiler_args: str | None = "") -> str:
     return compiler_args
 
 
+def append_default_compiler_flags_before_0_16(compiler_args: str | None = "") -> str:
+    """The same function before NxD 0.16 (SDK 2.27), e.g. at 2.25.0 (c63420c model_builder.py:92-108): no
+    ``--verbose=35``."""
+    if not compiler_args:
+        compiler_args = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
+    if "--auto-cast" not in compiler_args:
+        compiler_args += " --auto-cast=none "
+    elif "--auto-cast=none" not in compiler_args:
+        logger.warning(
+            "Compiler argument ``--auto-cast=none`` not detected. Other values might result in lower accuracy"
+        )
+    if not re.search(r'-O\d+', compiler_args):
+        compiler_args += " -O1 "
+    return compiler_args
+
+
 class BaseModelInstance:
     def __init__(self, module_cls, input_output_aliases):
         self.module_cls = module_cls
@@ -74,6 +98,18 @@ class BaseModelInstance:
     # trace/model_builder.py:390, called at :832, :884, :968): refusing them would refuse the real call.
     def get(self, bucket_rank, **kwargs):
         return self.module, self.input_output_aliases[0]
+
+
+class ModelContainer:
+    """What ``add`` keeps per key (v2.28.0 model_builder.py ~406-420; 2.25.0 c63420c ~1255-1269): the hook gets it,
+    and before the hook (SDK 2.23-2.25) its ``compiler_args`` are where a caller reads the flags."""
+
+    def __init__(self, model_instance, example_inputs, compiler_args, bucket_config, priority_model_idx):
+        self.model_instance = model_instance
+        self.example_inputs = example_inputs
+        self.compiler_args = compiler_args
+        self.bucket_config = bucket_config
+        self.priority_model_idx = priority_model_idx
 
 
 class ModelBuilder:
@@ -117,12 +153,15 @@ class ModelBuilder:
             bucket_config=None,
             priority_model_idx: int | None = None,
     ) -> "ModelBuilder":
-        compiler_args = append_default_compiler_flags(compiler_args)
+        defaults = append_default_compiler_flags if _nxd_version() >= (0, 16) else \
+            append_default_compiler_flags_before_0_16
+        compiler_args = defaults(compiler_args)
         warnings.warn("'bucket_config' will be deprecated in a future release.Bucket routing will be automatically "
                       "determined by inputs.", category=DeprecationWarning, stacklevel=2)
         if bucket_config is not None or len(example_inputs) != 1:
             raise NotImplementedError("the stand-in builds one bucket per key")
-        self.model_collection[key] = (model_instance, example_inputs, compiler_args)
+        self.model_collection[key] = ModelContainer(model_instance, example_inputs, compiler_args, bucket_config,
+                                                    priority_model_idx)
         return self
 
     def trace(self, initialize_model_weights=True, dry_run=False):
@@ -131,8 +170,9 @@ class ModelBuilder:
         if os.environ.get("FAKE_NEURON_COMPILE_ERROR"):
             raise RuntimeError(os.environ["FAKE_NEURON_COMPILE_ERROR"])
         model_id = uuid.uuid4().hex
-        checkpoint = self.checkpoint_loader()
-        for key, (_, example, compiler_args) in self.model_collection.items():
+        jobs = []
+        for key, container in self.model_collection.items():
+            example, compiler_args = container.example_inputs, container.compiler_args
             out = Path(self.compiler_workdir) / key / "_tp0_bk0"
             out.mkdir(parents=True, exist_ok=True)  # _create_output_dir (~1096-1099): made again as needed
             flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"  # ~720-722
@@ -140,47 +180,67 @@ class ModelBuilder:
                 flags = self.compiler_flag_hook(key, self.model_collection[key], 0, flags)
             # ~603-624: use_cache=True, always; the HLO text's stand-in is the key and its inputs' shapes and dtypes
             graph = f"{key}:{[(tuple(t.shape), str(t.dtype)) for t in example[0]]}"
-            _fake_runtime.compile_cached(graph, out / "model" / "graph.hlo", out / "graph.neff", flags)
+            jobs.append((graph, out / "model" / "graph.hlo", out / "graph.neff", flags))
+        with concurrent.futures.ThreadPoolExecutor() as pool:  # ~708-751: every bucket at once, in threads
+            for future in [pool.submit(_fake_runtime.compile_cached, *job) for job in jobs]:
+                future.result()
         # ~764-773: with initialize_model_weights, each rank's slice of the checkpoint is written into the workdir
-        # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there.
+        # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there. Without
+        # it the real trace never calls the loader; the stand-in, which traces real numbers, calls it here.
         if initialize_model_weights:
-            self._shard_checkpoint(checkpoint)
+            checkpoint = self._shard_checkpoint()
             shards = [load_file(os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
                       for rank in range(self.tp_degree)]
         else:
-            shards = [None] * self.tp_degree
-        ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
+            checkpoint, shards = self.checkpoint_loader(), [None] * self.tp_degree
+        traced_ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
+        ranks = [graphs for graphs, _ in traced_ranks]
+        for key, container in self.model_collection.items():  # ~753-758: every bucket's, compiled or cached
+            module, aliases = container.model_instance.get(0)
+            _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb",
+                            container.example_inputs[0], module, aliases)
         shapes = {str([list(t.shape) for t in example[0]]): (key, 0)
-                  for key, (_, example, _) in self.model_collection.items()}
+                  for key, example in ((k, c.example_inputs) for k, c in self.model_collection.items())}
         # ~1064-1069, ~1091: the executor is traced with the last key's example inputs, so it takes that many
-        last_inputs = len(list(self.model_collection.values())[-1][1][0])
-        traced = torch.jit.script(executor(torch.jit.script(
-            NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree)), last_inputs))
+        last_inputs = len(list(self.model_collection.values())[-1].example_inputs[0])
+        dtypes = {str([list(t.shape) for t in c.example_inputs[0]]): [torch.empty(0, dtype=t.dtype)
+                                                                     for t in c.example_inputs[0]]
+                  for c in self.model_collection.values()}
+        nxd_model = NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree, dtypes)
+        if initialize_model_weights:  # initialize() (~767-781): each rank's sharded checkpoint, as loaded
+            nxd_model.weights = [weights for _, weights in traced_ranks]
+        traced = torch.jit.script(executor(torch.jit.script(nxd_model), last_inputs))
         if initialize_model_weights:
             traced.nxd_model.initialize_with_saved_weights(torch.tensor(0))
         return traced
 
-    def _shard_checkpoint(self, checkpoint):
-        """``shard_checkpoint(serialize_path)``: every rank's parameters, cut as ``_load_weights`` cuts them, in
-        ``tp{rank}_sharded_checkpoint.safetensors`` (NxD's own file names)."""
-        for rank in range(self.tp_degree):
-            instance = next(iter(self.model_collection.values()))[0]
+    def _shard_checkpoint(self):
+        """``shard_checkpoint(serialize_path)`` (~802-843): the first key's module built and the checkpoint loaded
+        under ``init_on_device(meta)`` (the module's parameters on the meta device; ~813-833, where the real one also
+        mocks torch.distributed), then every rank's parameters cut as ``_load_weights`` cuts them, in
+        ``tp{rank}_sharded_checkpoint.safetensors`` (NxD's own file names). Returns the checkpoint."""
+        instance = next(iter(self.model_collection.values())).model_instance
+        with _parameters_on_meta():
             instance.load_module()
             module, aliases = instance.get(0)
+            checkpoint = self.checkpoint_loader()
+        for rank in range(self.tp_degree):
             # a weight the checkpoint lacks is skipped without a word (trace.py shard_children ~773-774); loading
             # it is what fails (_load_weights)
             sliced = {name: _slice(checkpoint, name, tensor, rank, self.tp_degree).contiguous()
                       for name, tensor in _weights(module, aliases) if name in checkpoint}
             save_file(sliced, os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
+        return checkpoint
 
     def _trace_rank(self, rank, model_id, checkpoint, shard):
         """Every key's graph of one rank, over one weight set and one state (its weights from its sharded
-        checkpoint file when there is one)."""
+        checkpoint file when there is one); and that weight set by name."""
         parallel_state._set_aot_rank(rank, self.tp_degree, model_id)
         _fake_runtime.set_aot(True)
         try:
             graphs, owner = {}, None
-            for key, (instance, example, _) in self.model_collection.items():
+            for key, container in self.model_collection.items():
+                instance, example = container.model_instance, container.example_inputs
                 instance.load_module()
                 module, aliases = instance.get(0)  # each key's own module is traced (~832-884)
                 graph = StateGraph(module, aliases, return_aliased=False)
@@ -196,11 +256,11 @@ class ModelBuilder:
             with torch.no_grad():
                 for state in owner.states:
                     state.zero_()  # tracing ran the examples through the state; StateInitializer starts at zero
-            counts = {len(example[0]) for _, example, _ in self.model_collection.values()}
+            counts = {len(c.example_inputs[0]) for c in self.model_collection.values()}
             if len(counts) != 1:  # each rank's graphs are called through one executor of one arity (see above)
                 raise TypeError(f"the keys' example inputs have {sorted(counts)} tensors: the traced executor takes "
                                 "the last key's count")
-            return torch.jit.script(rank_graphs(graphs, counts.pop()))
+            return torch.jit.script(rank_graphs(graphs, counts.pop())), dict(_weights(owner.model, owner.states))
         finally:
             _fake_runtime.set_aot(False)
             parallel_state._set_aot_rank(None, None, None)
@@ -216,6 +276,81 @@ class ModelBuilder:
                 if tuple(part.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: checkpoint slice {list(part.shape)}, model {list(param.shape)}")
                 param.copy_(part.to(param.dtype))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """NxD's ``init_on_device(torch.device("meta"), force_custom_init_on_device=True)`` (utils/model_utils.py
+    ~257-330 at v2.28.0): every parameter a module registers is moved to the meta device (buffers are not); a
+    checkpoint loader that builds a module (``from_pretrained``) gets meta tensors."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            param_cls = type(module._parameters[name])
+            kwargs = module._parameters[name].__dict__
+            kwargs["requires_grad"] = module._parameters[name].requires_grad
+            module._parameters[name] = (param if param.device == torch.device("meta") else
+                                        param_cls(module._parameters[name].to("meta"), **kwargs))
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def init_before_0_15(
+        self,
+        router,
+        tp_degree,
+        checkpoint_loader,
+        start_rank_id=0,
+        pp_degree=1,
+        ep_degree=1,
+        local_ranks_size=None,
+        world_size=None,
+        compiler_workdir=None,
+        master_proc_env_vars=None,
+        debug=False,
+        num_cores_per_group=1,
+        init_custom_process_group_fn=None,
+        logical_nc_config=1,
+        weights_to_skip_layout_optimization=set(),  # noqa: B006 - the real default
+):
+    """``ModelBuilder.__init__`` before NxD 0.15 (SDK 2.23-2.25; 2.25.0 c63420c model_builder.py:1291-1308): no
+    ``compiler_flag_hook``, which commit fecfe75 (SDK 2.26) added, so passing it is Python's own ``TypeError``."""
+    _init_with_hook(self, router, tp_degree, checkpoint_loader, start_rank_id, pp_degree, ep_degree,
+                    local_ranks_size, world_size, compiler_workdir, master_proc_env_vars, debug, num_cores_per_group,
+                    init_custom_process_group_fn, logical_nc_config, weights_to_skip_layout_optimization)
+
+
+_init_with_hook = ModelBuilder.__init__
+if _nxd_version() < (0, 15):  # the installed release's signature, as inspect.signature sees it
+    init_before_0_15.__name__, init_before_0_15.__qualname__ = "__init__", "ModelBuilder.__init__"
+    if hasattr(init_before_0_15.__code__, "co_qualname"):  # Python 3.11 names the function in its TypeError by this
+        init_before_0_15.__code__ = init_before_0_15.__code__.replace(co_qualname="ModelBuilder.__init__")
+    ModelBuilder.__init__ = init_before_0_15
+
+
+def _write_metaneff(path, example, module, aliases):
+    """The bucket's ``MetaNeff``: its user inputs, its state (the aliased parameters) and its weights, each weight
+    with its checkpoint key (torch-neuronx's ``generate_hlo`` makes the real one; NxD hlo_utils.py ~465-472 writes
+    the same fields for a weight)."""
+    from torch_neuronx.proto import metaneff_pb2
+
+    meta = metaneff_pb2.MetaNeff()
+    kinds = [(tensor, metaneff_pb2.MetaTensor.Type.USER_INPUT, "") for tensor in example]
+    kinds += [(state, metaneff_pb2.MetaTensor.Type.INPUT_STATE, "") for state in aliases]
+    kinds += [(tensor, metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT, name) for name, tensor in _weights(module, aliases)]
+    for index, (tensor, kind, key) in enumerate(kinds):
+        entry = meta.input_tensors.add()
+        entry.name = f"input{index}".encode()
+        entry.shape[:] = list(tensor.shape)
+        entry.type = kind
+        entry.checkpoint_key = key.encode()
+    Path(path).write_bytes(meta.SerializeToString())
 
 
 def _weights(module, states):

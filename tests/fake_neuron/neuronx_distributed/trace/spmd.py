@@ -81,12 +81,22 @@ def rank_graphs(graphs: dict[str, torch.nn.Module], inputs: int) -> torch.nn.Mod
 
 class NxDModel(torch.nn.Module):
     def __init__(self, ranks: torch.nn.ModuleList, input_shape_map: dict[str, tuple[str, int]], model_id: str,
-                 world_size: int):
+                 world_size: int, input_dtypes: dict[str, list[torch.Tensor]]):
         super().__init__()
         self.ranks = ranks
         self.input_shape_map = input_shape_map
+        # Per route, an empty tensor of each traced input's dtype. NxD routes by shape alone (~215-219) and converts
+        # nothing; the SPMDModel and the runtime are closed source, and the metaneff they are given holds every
+        # input's data type ("used by the runtime to validate input tensor shapes, names, and types", torch-neuronx
+        # 1.x hlo_metaneff): a call with another dtype is refused here, never cast.
+        self.input_dtypes = input_dtypes
         self.model_id = model_id
         self.world_size = world_size
+        # Every rank's weights, {checkpoint key: tensor} per rank, as the real one keeps them (~167: the placeholder
+        # until initialize() fills it); ModelBuilder.trace(initialize_model_weights=True) fills it here, and
+        # torch.jit.save writes it with the model. (The stand-in's rank graphs also hold them as their parameters,
+        # the same storages, which the real SPMDModels do not.)
+        self.weights = [{'__neuronprivatetensor__': torch.tensor(0)}]  # List[Dict[str, Tensor]], TorchScript infers
 
     @torch.jit.export
     def initialize_with_saved_weights(self, start_rank_tensor: torch.Tensor):
@@ -105,6 +115,11 @@ class NxDModel(torch.nn.Module):
             raise ValueError("This model is not initialized, please call traced_model.nxd_model.initialize("
                              "sharded_checkpoint) or traced_model.nxd_model.initialize_with_saved_weights()")
         model_name, bucket_idx = self.router(inputs)
+        traced = self.input_dtypes[str([tensor.shape for tensor in inputs])]
+        for i in range(len(inputs)):
+            if inputs[i].dtype != traced[i].dtype:
+                raise ValueError("input " + str(i) + " of " + model_name + " is " + str(inputs[i].dtype)
+                                 + ", the graph was traced with " + str(traced[i].dtype))
         futures: list[torch.jit.Future[torch.Tensor]] = []
         for i, rank in enumerate(self.ranks):
             if i > 0:
