@@ -205,10 +205,11 @@ def compile_workdir(request: TraceRequest, out_dir: Path) -> Path:
 
 
 def compiler_commands(workdir: Path) -> dict[str, list[str]]:
-    """Each compile's neuronx-cc arguments, as its log's command line shows them (neuronx-cc starts its log with it:
-    ``... INFO ... [root]: /.../neuronx-cc compile <hlo> --framework XLA --target ... --output ... <flags>``), by the
-    log's path in ``workdir``; paths inside ``workdir`` written as ``<workdir>/...``. What the SDK passes is closed
-    source for torch-neuronx 2.x and libneuronxla: this is the record of what it did."""
+    """Each compile's neuronx-cc arguments, where its log holds its command line (a line naming ``neuronx-cc
+    compile``, e.g. ``... INFO ... [root]: /.../neuronx-cc compile <hlo> --framework XLA --target ... <flags>``), by
+    the log's path in ``workdir``; paths inside ``workdir`` written as ``<workdir>/...``. What the SDK passes is closed
+    source for torch-neuronx 2.x and libneuronxla, and so is how neuronx-cc starts its log: a log without such a line
+    is left out (``compile_cache`` does not depend on it)."""
     found = {}
     for log_file in sorted(Path(workdir).rglob(COMPILER_LOG)):
         for line in log_file.read_text(errors="replace").splitlines():

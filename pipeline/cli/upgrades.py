@@ -251,6 +251,7 @@ def beyond_table(available: dict[str, list[Offer]]) -> list[str]:
 
 
 def after_final(available: dict[str, list[Offer]]) -> list[str]:
+    """Versions of lines after the last one for Inf2 (``after_final_line``): said, never a row to add."""
     return [f"{name} {v}" for name, v in newer_offers(available) if after_final_line(name, v)]
 
 
