@@ -37,8 +37,8 @@ GIB = 1 << 30
 VARIANTS = ("512_bf16", "512_bf16_host", "512_bf16+bs4")
 BATCHED = VARIANTS[2]
 CLIENTS = (1, 4)  # the batched version served to one client, then four at once
-# A release validates seven prompts with 32 new tokens each; the rehearsal three (one per bucket of 512_bf16's ladder:
-# 16, 32, 128), 16 tokens, one timed run per context.
+# A release of 512_bf16 validates six prompts (all that fit 512) with 32 new tokens each; the rehearsal three (one per
+# bucket of 512_bf16's ladder: 16, 32, 128), 16 tokens, one timed run per context.
 # The cpu backend's floors are reported, not enforced (the machine's CPU and load set them): nothing to override.
 VALIDATE = ("validate.max_new_tokens=16", "validate.prompt_names=[greeting,capital,near_64]",
             "validate.throughput.runs=1", "validate.throughput.contexts=[short,half]")

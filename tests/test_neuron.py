@@ -375,21 +375,22 @@ def test_host_prefill_is_decided_by_the_installed_sdk_release(monkeypatch, tmp_p
             assert ("unsupported by Neuron, verified by the seed recipe" in caplog.text) == (host_prefill != "built")
 
 
-@pytest.mark.parametrize("release", ["2.25.0", "2.26.1"])
-def test_device_prefill_compiles_on_a_modelbuilder_with_or_without_the_flag_hook(monkeypatch, tmp_path, release):
+@pytest.mark.parametrize(("release", "defaults"), [("2.23.0", []), ("2.25.0", ["-O1"]), ("2.26.1", ["-O1"])])
+def test_device_prefill_compiles_on_a_modelbuilder_with_or_without_the_flag_hook(monkeypatch, tmp_path, release,
+                                                                                 defaults):
     """ModelBuilder takes compiler_flag_hook from SDK 2.26 (NxD commit fecfe75); a DLAMI's 2.23-2.25 has none, and
     passing it was a TypeError on every device-prefill compile (issue 51). Without it the flags per bucket are read
-    from what add() stored, the --logfile trace() appends added: the same string the hook gets from 2.26 on. Neither
-    release appends --verbose=35 (NxD 0.16 on)."""
+    from what add() stored, the --logfile trace() appends added: the same string the hook gets from 2.26 on. None of
+    these releases appends --verbose=35 (NxD 0.16 on), and 2.23's (NxD 0.12) adds no defaults to given flags."""
     site = fake_sdk.install(tmp_path / "sdk", release)
     with fake_sdk.activated(site, monkeypatch):
         cfg = _prepared(tmp_path / "a", "512_fp32", "variant.tp_degree=1")
         run(cfg, "trace")
     build = json.loads((tmp_path / "a" / "gemma4_tiny" / "512_fp32+tp1" / "build.json").read_text())["trace"]
-    assert build["effective_compiler_args"] == NEURON_ARGS + ["-O1"]
-    assert build["compiler_flags"] == {
-        f"{key}/_tp0_bk0": NEURON_ARGS + ["-O1", f"--logfile=<workdir>/model_builder/{key}/_tp0_bk0/log-neuron-cc.txt"]
-        for key in ("decode", "prefill")}
+    assert build["effective_compiler_args"] == NEURON_ARGS + defaults
+    logfile = "--logfile=<workdir>/model_builder/{}/_tp0_bk0/log-neuron-cc.txt"
+    assert build["compiler_flags"] == {f"{key}/_tp0_bk0": NEURON_ARGS + [*defaults, logfile.format(key)]
+                                       for key in ("decode", "prefill")}
     assert build["compile_cache"] == {"decode/_tp0_bk0": "compiled", "prefill/_tp0_bk0": "compiled"}
     # what each graph takes, from its bucket's metaneff.pb (docs/inf2-host.md, first-run checklist: layer_scalar)
     layers = len(load_spec(tmp_path / "a" / "gemma4_tiny" / "weights").layers)

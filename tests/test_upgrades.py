@@ -300,13 +300,17 @@ def test_releases_after_the_last_line_for_inf2_are_said_plainly_and_never_wait_f
     result = upgrades.plan(installed, available, "2.9.0")
     assert result.status == "current" and result.exit_code == upgrades.UP_TO_DATE and result.newer_than_table == []
     notice = [n for n in result.notes if neuron_sdk.FINAL_NOTICE in n]
-    assert len(notice) == 1 and "offers neuronx-cc 2.27.5334.0, libneuronxla 3.0.3854.0, libneuronxla 3.0.5356.0" \
-        in notice[0] and "no newer release will support this hardware" in notice[0]
+    assert len(notice) == 1 and "offers neuronx-cc 2.27.5334.0, of later lines" in notice[0]
+    assert "no newer release will support this hardware" in notice[0]
     available["neuronx-cc"].append(upgrades.Offer("neuronx-cc", "2.26.7000.0", "u"))  # a 2.31 patch
     assert upgrades.plan(installed, available, "2.9.0").status == "newer-than-table"
-    older = upgrades.plan(neuron_sdk.release("2.28.1").exact_versions("2.8.0"), {
-        name: [upgrades.Offer(name, v, "u") for v in vs] for name, vs in neuron_sdk.release("2.28.1").versions().items()
-    }, "2.8.0")
+    # On 2.28.1, with the repository as it is (libneuronxla 3.0.x beside 2.30's and 2.31's rows): an upgrade to
+    # 2.31 is offered for torch 2.9, and no notice yet (the native stack's libneuronxla is not a later line)
+    offered = {name: [upgrades.Offer(name, v, "u") for r in ("2.28.1", "2.30.0", "2.31.0")
+                      for v in neuron_sdk.release(r).versions()[name]] for name in neuron_sdk.PACKAGES}
+    offered["libneuronxla"] += [upgrades.Offer("libneuronxla", v, "u") for v in ("3.0.2891.0", "3.0.3854.0")]
+    older = upgrades.plan(neuron_sdk.release("2.28.1").exact_versions("2.8.0"), offered, "2.8.0")
+    assert older.status == "current" and older.newer_than_table == []
     assert not [n for n in older.notes if neuron_sdk.FINAL_NOTICE in n]  # said where it applies, not everywhere
 
 

@@ -236,10 +236,13 @@ def model_builder_flags(args: list[str], nxd_version: str | None = None) -> str:
     ``append_default_compiler_flags``, re-implemented from neuronx-distributed v2.28.0 trace/model_builder.py
     (~104-124; unchanged in 0.18; 0.12 substituted the defaults only for None): no flags at all get its defaults;
     ``--auto-cast=none`` is appended when no ``--auto-cast`` is given, ``-O1`` when no ``-O<n>`` is, and, from NxD
-    0.16 (SDK 2.27; absent at 2.25.0, c63420c ~92-108), ``--verbose=35`` when no ``--verbose`` is. ``nxd_version``:
-    the installed neuronx-distributed's (None: the pinned release's). (``trace`` then adds
-    ``--logfile=<workdir>/<key>/...``.)"""
+    0.16 (SDK 2.27; absent at 2.25.0, c63420c ~92-108), ``--verbose=35`` when no ``--verbose`` is; NxD 0.12 (SDK
+    2.23) has no such function and passes a given string as it is. ``nxd_version``: the installed
+    neuronx-distributed's (None, or a version that does not parse: the pinned release's). (``trace`` then adds
+    ``--logfile=<workdir>/<key>/...`` unless one is given.)"""
     flags = compiler_arg_string(args)
+    if not release_at_least(nxd_version, "0.13"):
+        return flags  # 0.12 (SDK 2.23, e834945 ~442-444): defaults only for None, and the backend passes a string
     if not flags:
         flags = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
     if "--auto-cast" not in flags:
@@ -253,12 +256,16 @@ def model_builder_flags(args: list[str], nxd_version: str | None = None) -> str:
 
 def release_at_least(nxd_version: str | None, first: str) -> bool:
     """Whether neuronx-distributed ``nxd_version`` (None: the pinned release's) is ``first`` or later."""
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
     from pipeline.backends import neuron_sdk
 
-    version = nxd_version or neuron_sdk.release(neuron_sdk.PINNED).neuronx_distributed
-    return Version(version) >= Version(first)
+    pinned = neuron_sdk.release(neuron_sdk.PINNED).neuronx_distributed
+    try:
+        version = Version(nxd_version or pinned)
+    except InvalidVersion:  # an SDK outside the table (backend.check_sdk_release=false)
+        version = Version(pinned)
+    return version.release >= Version(first).release  # 0.16.0.dev1 is a 0.16
 
 
 def effective_compiler_args(shape: BuildShape, args: list[str], nxd_version: str | None = None) -> list[str]:
@@ -274,20 +281,21 @@ def takes_flag_hook(builder_class) -> bool:
 
 
 def logfile_of(flags: str) -> Path | None:
-    """The ``--logfile`` a compile was given (``--logfile=PATH`` or ``--logfile PATH``), or None."""
-    words = shlex.split(flags)
+    """The ``--logfile`` a compile was given (``--logfile=PATH`` or ``--logfile PATH``; the last one, as an argument
+    parser takes it), or None."""
+    words, found = shlex.split(flags), None
     for i, word in enumerate(words):
         if word.startswith("--logfile="):
-            return Path(word.split("=", 1)[1])
-        if word == "--logfile" and i + 1 < len(words):
-            return Path(words[i + 1])
-    return None
+            found = Path(word.split("=", 1)[1])
+        elif word == "--logfile" and i + 1 < len(words):
+            found = Path(words[i + 1])
+    return found
 
 
 def stored_flags(builder, workdir: str) -> dict[str, str]:
     """Per bucket, the flags ModelBuilder compiles it with, where it takes no ``compiler_flag_hook`` (SDK 2.23-2.25):
     what ``add`` stored (its defaults applied) plus the ``--logfile`` that ``trace`` appends when none is given,
-    exactly as ``trace`` builds them before the compile (2.25.0 c63420c model_builder.py:1564-1566; the hook gets
+    exactly as ``trace`` builds them before the compile (2.25.0 c63420c model_builder.py:1566-1567; the hook gets
     this very string from 2.26 on)."""
     flags = {}
     for key, container in builder.model_collection.items():

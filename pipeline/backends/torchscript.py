@@ -102,11 +102,18 @@ def archive_bytes(module, held: Iterable[torch.Tensor] = ()) -> int:
     """What ``torch.jit.save`` writes for ``module``, bounded from above: its tensors' storages, plus slack.
     ``held``: tensors the module holds beyond its parameters and buffers (in attributes, as NxD's ``NxDModel`` holds
     every rank's weights), each storage counted once."""
-    storages = {}
+    storages, unshared = {}, 0
     for tensor in [*module.parameters(), *module.buffers(), *held]:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()) + SAVE_SLACK_BYTES
+        try:  # a device tensor (NxD's loaded weights) may not expose its storage: counted by its own bytes
+            storage = tensor.untyped_storage()
+            key, size = (str(tensor.device), storage.data_ptr()), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, size = None, tensor.numel() * tensor.element_size()
+        if key is None or key[1] == 0:
+            unshared += size
+        else:
+            storages[key] = size
+    return sum(storages.values()) + unshared + SAVE_SLACK_BYTES
 
 
 def require_room(path: Path, size: int, copies: int = 1) -> None:

@@ -225,20 +225,30 @@ def newest_first() -> list[SdkRelease]:
     return sorted(neuron_sdk.RELEASES, key=lambda r: Version(r.release), reverse=True)
 
 
+def other_stack(name: str, version: str) -> bool:
+    """libneuronxla 3.x: the native-PyTorch stack's, offered beside torch-neuronx's 2.2.x since SDK 2.30 (the
+    manifest lists both), never a version of this pipeline's rows."""
+    return name == "libneuronxla" and Version(version).release[0] >= 3
+
+
 def newer_offers(available: dict[str, list[Offer]]) -> list[tuple[str, str]]:
-    """(package, version) newer than every row knows (pre-releases and yanked files aside, as pip leaves them)."""
+    """(package, version) newer than every row knows (pre-releases, yanked files and ``other_stack`` aside)."""
     found = []
     for name, files in available.items():
         known = max(release_key(name, v) for row in neuron_sdk.RELEASES for v in row.versions()[name])
-        versions = {o.version for o in files if not o.yanked and not Version(o.version).is_prerelease}
+        versions = {o.version for o in files if not o.yanked and not Version(o.version).is_prerelease
+                    and not other_stack(name, o.version)}
         found += [(name, v) for v in sorted(versions, key=Version) if release_key(name, v) > known]
     return found
 
 
 def after_final_line(name: str, version: str) -> bool:
     """Whether ``version`` is of a line after the last release line for Inf2 (neuron_sdk.FINAL_LINE): neuronx-cc
-    2.27 (SDK 2.32), libneuronxla 3.0 (the native-PyTorch stack's). Its first two Neuron numbers decide: a patch
-    release of the final line (neuronx-cc 2.26.x) is not after it."""
+    2.27 (SDK 2.32) and up, a torch-neuronx or neuronx-distributed past 2.31's. Their first two Neuron numbers
+    decide: a patch release of the final line (neuronx-cc 2.26.x) is not after it. libneuronxla moves with the
+    others and is never judged by itself (a 2.31 patch may bring a 2.3.x)."""
+    if name == "libneuronxla":
+        return False
     final = neuron_sdk.release(max((r.release for r in neuron_sdk.RELEASES if r.release.startswith(
         neuron_sdk.FINAL_LINE + ".")), key=Version))
     line = max(release_key(name, v).release[:2] for v in final.versions()[name])

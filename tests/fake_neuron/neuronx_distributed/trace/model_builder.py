@@ -4,7 +4,9 @@ What it does as the real one does (line numbers at v2.28.0):
 - ``__init__``, ``add`` and ``trace`` take exactly the real parameters (no ``**kwargs``); ``__init__`` refuses a
   torch-neuronx that is not 2.x (~457).
 - ``add`` passes ``compiler_args`` through ``append_default_compiler_flags`` (~104-124): a string, the seed's flags
-  kept, ``--auto-cast=none`` / ``-O1`` / ``--verbose=35`` appended when absent; a list raises ``TypeError``.
+  kept, ``--auto-cast=none`` / ``-O1`` / ``--verbose=35`` appended when absent; a list raises ``TypeError``. The
+  installed release decides (``neuronx_distributed.__version__``): ``--verbose=35`` from 0.16 (SDK 2.27), the
+  function from 0.13 (0.12 fills in defaults only for None), ``compiler_flag_hook`` from 0.15 (SDK 2.26).
 - ``trace`` deletes ``compiler_workdir`` first (~545), gives each graph's final flags to ``compiler_flag_hook`` (~724,
   on a cache hit too) and compiles it through the compile cache, always on (``_fake_runtime.compile_cached``: a hit
   runs no compiler and writes no log; a miss runs it in the current directory, which must still exist, its log under
@@ -25,7 +27,6 @@ What it does as the real one does (line numbers at v2.28.0):
   imported first (the real file holds ``torch.classes.neuron.SPMDModel`` objects, registered by torch_neuronx).
 """
 
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -153,9 +154,12 @@ class ModelBuilder:
             bucket_config=None,
             priority_model_idx: int | None = None,
     ) -> "ModelBuilder":
-        defaults = append_default_compiler_flags if _nxd_version() >= (0, 16) else \
-            append_default_compiler_flags_before_0_16
-        compiler_args = defaults(compiler_args)
+        if _nxd_version() >= (0, 16):
+            compiler_args = append_default_compiler_flags(compiler_args)
+        elif _nxd_version() >= (0, 13):
+            compiler_args = append_default_compiler_flags_before_0_16(compiler_args)
+        elif compiler_args is None:  # 0.12 (SDK 2.23, e834945 ~442-444): no default-flag function yet
+            compiler_args = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
         warnings.warn("'bucket_config' will be deprecated in a future release.Bucket routing will be automatically "
                       "determined by inputs.", category=DeprecationWarning, stacklevel=2)
         if bucket_config is not None or len(example_inputs) != 1:
@@ -175,15 +179,19 @@ class ModelBuilder:
             example, compiler_args = container.example_inputs, container.compiler_args
             out = Path(self.compiler_workdir) / key / "_tp0_bk0"
             out.mkdir(parents=True, exist_ok=True)  # _create_output_dir (~1096-1099): made again as needed
-            flags = compiler_args + f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"  # ~720-722
+            flags = compiler_args
+            if "--logfile" not in flags:  # ~720-722
+                flags += f" --logfile={(out / LOG_FILE_DEFAULT_NAME).absolute()}"
             if self.compiler_flag_hook is not None:  # ~724-725: the final flags, before the cache lookup
                 flags = self.compiler_flag_hook(key, self.model_collection[key], 0, flags)
             # ~603-624: use_cache=True, always; the HLO text's stand-in is the key and its inputs' shapes and dtypes
             graph = f"{key}:{[(tuple(t.shape), str(t.dtype)) for t in example[0]]}"
             jobs.append((graph, out / "model" / "graph.hlo", out / "graph.neff", flags))
-        with concurrent.futures.ThreadPoolExecutor() as pool:  # ~708-751: every bucket at once, in threads
-            for future in [pool.submit(_fake_runtime.compile_cached, *job) for job in jobs]:
-                future.result()
+        # The real one compiles every bucket at once in a thread pool (~708-751), after the hook has seen them all;
+        # nothing of the pipeline runs during the compiles, so the stand-in compiles in turn (its thread pool made
+        # the process abort at exit under load: "terminate called without an active exception").
+        for job in jobs:
+            _fake_runtime.compile_cached(*job)
         # ~764-773: with initialize_model_weights, each rank's slice of the checkpoint is written into the workdir
         # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there. Without
         # it the real trace never calls the loader; the stand-in, which traces real numbers, calls it here.
