@@ -442,9 +442,8 @@ class NeuronBackend:
                 result, peak = run_isolated([sys.executable, "-m", "pipeline.backends.neuron_rank", str(job_path),
                                              str(result_path)], result_path, what, request,
                                             env=compile_env(lease), cwd=workdir)
-            commands = compiler_commands(workdir)
-            cache = compile_cache(result.compiler_flags, workdir)  # before the work files go
-            inputs = traced_inputs(result.compiler_flags, workdir)
+            commands = compiler_commands(workdir)  # these three read the work files, before they go
+            cache, inputs = compile_cache(result.compiler_flags, workdir), traced_inputs(result.compiler_flags, workdir)
             workdir_bytes = tree_bytes(workdir)  # the sharded checkpoints and compiler files at their largest
             found = sorted(p.name for p in tmp.iterdir())
             if found != sorted(self.members(shape)):
