@@ -121,6 +121,11 @@ class Server:
         return request(self.url + route, timeout=10)
 
 
+def metric(srv: Server, name: str) -> float:
+    """One sample of ``/metrics`` (the first line starting with ``name``)."""
+    return next(float(line.split()[-1]) for line in srv.get("/metrics").text.splitlines() if line.startswith(name))
+
+
 @pytest.fixture(scope="module")
 def server(published, tmp_path_factory):
     srv = Server(published, tmp_path_factory.mktemp("dest"))
@@ -831,8 +836,7 @@ def test_a_request_that_took_a_line_no_longer_counts_as_waiting_before_its_handl
 
 def test_a_client_that_disconnects_stops_its_decode(server):
     def generated() -> float:
-        lines = server.get("/metrics").text.splitlines()
-        return next(float(line.split()[1]) for line in lines if line.startswith("serve_tokens_generated_total"))
+        return metric(server, "serve_tokens_generated_total ")
 
     before = generated()
     body = {"model": server.version, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 480,
@@ -860,8 +864,7 @@ def test_clients_that_abandon_big_non_streamed_requests_leave_no_work_behind(ser
     sequence ends before its next token, and a short request is answered at once. Before, the server decoded for
     nobody for minutes (bench/serve_abandoned.py: 297 tokens in the 20 s after, 4-token requests 3.6x slower)."""
     def generated() -> float:
-        lines = server.get("/metrics").text.splitlines()
-        return next(float(line.split()[1]) for line in lines if line.startswith("serve_tokens_generated_total"))
+        return metric(server, "serve_tokens_generated_total ")
 
     body = json.dumps({"model": server.version, "prompt": [f"Tell me about {i}." for i in range(16)], "n": 16,
                        "max_tokens": 200})
@@ -887,19 +890,15 @@ def test_sigterm_finishes_the_running_request_and_refuses_the_waiting_one(publis
     def ask(name: str) -> None:
         answers[name] = srv.post("/generate", {"prompt": QUESTION, "max_tokens": 480})
 
-    def metric(name: str) -> float:
-        lines = srv.get("/metrics").text.splitlines()
-        return next(float(line.split()[1]) for line in lines if line.startswith(name + " "))
-
     def until(name: str, above: float) -> None:
         # by what the server reports, not by sleeping: a fast CPU decoded a whole sleep's worth of tokens (the
         # tiny model at ~180 tokens/s finished "running" before the signal, and "waiting" ran in its place)
         deadline = time.monotonic() + 60
-        while metric(name) <= above:
+        while metric(srv, name + " ") <= above:
             assert time.monotonic() < deadline, f"{name} never rose above {above}"
             time.sleep(0.02)
 
-    before = metric("serve_tokens_generated_total")
+    before = metric(srv, "serve_tokens_generated_total ")
     running = threading.Thread(target=ask, args=("running",))
     running.start()
     until("serve_tokens_generated_total", before)  # decoding
@@ -1025,11 +1024,6 @@ def test_a_neuron_build_serves_on_the_stand_in_sdk(neuron_checked, variant, tmp_
 
 
 # -- a batched build: continuous batching ---------------------------------------------------------------------------
-
-def metric(srv: Server, name: str) -> float:
-    """One sample of ``/metrics`` (the first line starting with ``name``)."""
-    return next(float(line.split()[-1]) for line in srv.get("/metrics").text.splitlines() if line.startswith(name))
-
 
 @pytest.fixture(scope="module")
 def batched_server(tiny_batched, tmp_path_factory):

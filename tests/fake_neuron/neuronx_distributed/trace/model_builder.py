@@ -203,17 +203,15 @@ class ModelBuilder:
             checkpoint, shards = self.checkpoint_loader(), [None] * self.tp_degree
         traced_ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
         ranks = [graphs for graphs, _ in traced_ranks]
-        for key, container in self.model_collection.items():  # ~753-758: every bucket's, compiled or cached
-            module, aliases = container.model_instance.get(0)
-            _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb",
-                            container.example_inputs[0], module, aliases)
-        shapes = {str([list(t.shape) for t in example[0]]): (key, 0)
-                  for key, example in ((k, c.example_inputs) for k, c in self.model_collection.items())}
+        shapes, dtypes = {}, {}  # per route (the list of input shapes): its key, and its inputs' dtypes
+        for key, container in self.model_collection.items():
+            inputs = container.example_inputs[0]
+            route = str([list(t.shape) for t in inputs])
+            shapes[route], dtypes[route] = (key, 0), [torch.empty(0, dtype=t.dtype) for t in inputs]
+            module, aliases = container.model_instance.get(0)  # ~753-758: every bucket's, compiled or cached
+            _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb", inputs, module, aliases)
         # ~1064-1069, ~1091: the executor is traced with the last key's example inputs, so it takes that many
-        last_inputs = len(list(self.model_collection.values())[-1].example_inputs[0])
-        dtypes = {str([list(t.shape) for t in c.example_inputs[0]]): [torch.empty(0, dtype=t.dtype)
-                                                                     for t in c.example_inputs[0]]
-                  for c in self.model_collection.values()}
+        last_inputs = len(inputs)
         nxd_model = NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree, dtypes)
         if initialize_model_weights:  # initialize() (~767-781): each rank's sharded checkpoint, as loaded
             nxd_model.weights = [weights for _, weights in traced_ranks]
