@@ -327,6 +327,12 @@ def test_a_compiler_upgrade_reruns_trace_to_publish_of_every_variant_and_nothing
                           text=True, check=True).stdout.split()
     assert sorted(t.rsplit("-", 1)[0] for t in tags) == sorted(f"{v}-ncc{c}" for v in NEURON_VARIANTS
                                                                 for c in ("2.23.6484.0", "2.24.5133.0"))
+    for variant in NEURON_VARIANTS:  # each new version was compared with the one it replaces, throughput included
+        regression = json.loads((neuron_repo / "artifacts" / "published" / variant / "manifest.json").read_text())[
+            "regression"]
+        assert regression["against"].startswith(f"{variant}-ncc2.23.6484.0-") and regression["passed"]
+        checks = {row["check"] for row in regression["checks"]}
+        assert {"parity passed", "decode tokens/s", "tokens/s, 1 in flight"} <= checks
 
 
 def wait_for_queue(repo: Path, timeout: float = 1200) -> str:
