@@ -126,3 +126,13 @@ are this machine's CPU at that moment: a host-prefill first token measured 18 ms
 1708 ms after it in one .ci/run (65 ms and 1589 ms in another), and tokens/s with one sequence in flight 113 before
 and 5.4 after in a third (-95 %, past the 90 % drop these tolerances once allowed), the machine busy with the other
 tests each time."""
+
+
+E2B_SHAPE = [  # the tiny model in Gemma-4-E2B's shape (docs/models.md): overrides of model.tiny
+    "+model.tiny.num_key_value_heads=1", "+model.tiny.use_double_wide_mlp=true", "+model.tiny.unused_shared_kv=true",
+    "+model.tiny.num_hidden_layers=10", "+model.tiny.num_kv_shared_layers=4",
+    "+model.tiny.layer_types=[" + ",".join((["sliding_attention"] * 4 + ["full_attention"]) * 2) + "]",
+]
+"""E2B's mechanisms at toy size: one KV head under four query heads (copied to both ranks at tp_degree 2), a period
+of five layers (four sliding, one full), the last four KV-shared with a double-wide MLP, and the release's K/V
+projections of those layers in the checkpoint, unused."""

@@ -32,7 +32,7 @@ def existing_artifacts(tmp_path) -> Path:
 @pytest.mark.parametrize(("args", "expected"), [
     (["+variant=nope"], "variant=nope is not one of ['2048_bf16', '2048_bf16_bs4', '2048_bf16_host'"),
     ([], "add +variant=NAME (one of 2048_bf16, 2048_bf16_bs4, 2048_bf16_host, 2048_bf16_host_bs4, 2048_fp32, "
-         "256_bf16_host, 512_bf16, 512_bf16_host, 512_fp32)"),
+         "256_bf16_host, 512_bf16, 512_bf16_host, 512_bf16_tp1, 512_fp32)"),
     (["stage=trace"], "stage 'trace' builds one variant: add +variant=NAME"),
     (["+variant=512_bf16", "validate.max_new_tokns=3"], "did you mean 'validate.max_new_tokens'?"),
     (["+variant=512_bf16", "variant.kv_max=lots"], "variant.kv_max: Value 'lots' of type 'str' could not be converted"),
@@ -218,7 +218,8 @@ def test_a_field_set_to_base_keeps_the_files_value_and_variant_folder_is_one_fol
 
 @pytest.mark.parametrize(("sweep", "fixed", "built"), [
     ("+variant=512_bf16,512_fp32", "variant.kv_max=1024", ["512_bf16+kv1024", "512_fp32+kv1024"]),
-    ("+variant=glob(512_*)", "variant.dtype=fp32", ["512_bf16+fp32", "512_bf16_host+fp32", "512_fp32"]),
+    ("+variant=glob(512_*)", "variant.dtype=fp32",
+     ["512_bf16+fp32", "512_bf16_host+fp32", "512_bf16_tp1+fp32", "512_fp32"]),
 ])
 def test_a_fixed_override_applies_to_every_variant_of_a_multirun(tmp_path, sweep, fixed, built):
     """Hydra refused it ("Could not override 'variant.kv_max'... use +variant.kv_max"): its sweeper composes the

@@ -107,12 +107,53 @@ def test_plan_splits_heads_and_keeps_gqa_groups():
     assert ShardPlan(spec, 1).rank_range("layers.0.self_attn.q_proj.weight", 0) is None
 
 
-@pytest.mark.parametrize("tp", [3, 4, 0])
+@pytest.mark.parametrize("tp", [3, 6, 0])
 def test_plan_refuses_tp_that_does_not_divide_heads(tp):
     spec = spec_from_config(E4B_CONFIG)
     with pytest.raises(ConfigError, match="variant.tp_degree") as err:
         ShardPlan(spec, tp).check()
-    assert "[1, 2]" in str(err.value) or tp == 0
+    assert "[1, 2, 4, 8]" in str(err.value) or tp == 0
+
+
+def e2b_config(kv_heads: int = 1) -> dict:
+    """E2B's text config (one KV head; 35 layers, period five, 20 KV-shared with a double-wide MLP), docs/models.md."""
+    layer_types = ([SLIDING] * 4 + [FULL]) * 7
+    text = dict(E4B_TEXT, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_key_value_heads=kv_heads,
+                num_kv_shared_layers=20, use_double_wide_mlp=True, layer_types=layer_types, sliding_window=512)
+    return {"model_type": "gemma4", "tie_word_embeddings": True, "text_config": text}
+
+
+def test_fewer_kv_heads_than_ranks_are_copied_whole_and_counted_on_every_rank():
+    spec = spec_from_config(e2b_config())
+    assert {layer.num_kv_heads for layer in spec.layers} == {1}
+    assert [layer.intermediate_size for layer in spec.layers] == [6144] * 15 + [12288] * 20
+    one, two = ShardPlan(spec, 1), ShardPlan(spec, 2)
+    two.check()
+    k, q = "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.q_proj.weight"
+    assert [two.rank_range(k, r) for r in (0, 1)] == [(0, 0, 256), (0, 0, 256)]  # head 0 on both ranks
+    assert two.rank_shape(k) == (256, 1536) and two.rank_range(q, 1) == (0, 1024, 2048)
+    assert two.rank_range("layers.4.self_attn.v_proj.weight", 1) == (0, 0, 512)  # full layer, head_dim 512
+    kv = [n for n in one.rank_tensor_names() if n.endswith(("k_proj.weight", "v_proj.weight"))]
+    assert len(kv) == 2 * 15 and {two.rank_shape(n) for n in kv} == {one.rank_shape(n) for n in kv}  # a whole copy
+    assert two.rank_kv_bytes(512, 1, torch.bfloat16) == one.rank_kv_bytes(512, 1, torch.bfloat16)  # a whole copy each
+    full = torch.arange(256 * 4, dtype=torch.float32).view(256, 4)
+    assert torch.equal(two.builder_tensor(k, full), torch.cat([full, full]))  # NxD's equal chunks: head 0 twice
+    assert two.builder_tensor(q, full) is full and one.builder_tensor(k, full) is full
+
+
+def test_two_kv_heads_over_four_ranks_give_each_rank_the_head_its_queries_attend():
+    spec = spec_from_config(E4B_CONFIG)  # 8 query heads, 2 KV heads: ranks 0-1 attend head 0, ranks 2-3 head 1
+    plan = ShardPlan(spec, 4)
+    plan.check()
+    assert [plan.rank_range("layers.0.self_attn.k_proj.weight", r) for r in range(4)] == [
+        (0, 0, 256), (0, 0, 256), (0, 256, 512), (0, 256, 512)]
+    full = torch.arange(512, dtype=torch.float32).view(512, 1)
+    chunks = plan.builder_tensor("layers.0.self_attn.k_proj.weight", full).chunk(4)
+    assert [torch.equal(c, full[a:b]) for c, (_, a, b) in zip(chunks, [
+        plan.rank_range("layers.0.self_attn.k_proj.weight", r) for r in range(4)])] == [True] * 4
+    caches = [torch.arange(2 * 3, dtype=torch.float32).view(1, 2, 3, 1)]
+    assert [r[0][0, 0, :, 0].tolist() for r in split_kv_for_ranks(caches, 4, torch.float32)] == [
+        [0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
 
 
 def test_kv_seeding_sends_head_r_to_rank_r():
@@ -122,7 +163,7 @@ def test_kv_seeding_sends_head_r_to_rank_r():
     assert torch.equal(per_rank[0][0].float(), caches[0][:, 0:1])
     assert torch.equal(per_rank[1][0].float(), caches[0][:, 1:2])
     assert per_rank[1][1].dtype == torch.bfloat16 and per_rank[1][1].shape == (1, 1, 3, 4)
-    with pytest.raises(ValueError, match="do not split"):
+    with pytest.raises(ValueError, match="neither split over nor copy onto"):
         split_kv_for_ranks([torch.zeros(1, 3, 2, 2)], 2, torch.float32)
 
 

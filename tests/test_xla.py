@@ -23,7 +23,7 @@ from pipeline.core.errors import BuildError, IntegrityError
 from pipeline.core.shape import BuildShape
 
 from .conftest import built_once
-from .helpers import CONF, FAST_VALIDATE
+from .helpers import CONF, E2B_SHAPE, FAST_VALIDATE
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -250,20 +250,37 @@ def prepared(tmp_path_factory) -> Path:
 @needs_torch_xla
 @pytest.mark.parametrize("variant", available_variants(CONF))
 def test_every_held_in_variant_lowers_to_listed_operators_with_its_collectives(prepared, variant):
-    """Each variant as it ships (tp_degree 2): both ranks' graphs lowered and recorded; the graphs their shape
-    asks for, each with the row-parallel all-reduces and the head's all-gather."""
+    """Each variant as it ships: every rank's graphs lowered and recorded, the graphs their shape asks for, each at
+    tp_degree 2 with the row-parallel all-reduces and the head's all-gather (none at tp_degree 1)."""
     proc = cli(f"+variant={variant}", "backend=xla", f"artifacts_dir={prepared}", "stage=trace")
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = json.loads((prepared / "gemma4_tiny" / variant / "build.json").read_text())
     variant_record = built["variant"]
     ladder = [f"prefill_{b}" for b in variant_record.get("smaller_buckets", [])]  # a graph per bucket
     entries = ["decode"] if variant_record["prefill"] == "host" else sorted(["decode", "prefill", *ladder])
+    tp_degree = variant_record["tp_degree"]
     for rank in built["trace"]["ranks"]:
         assert sorted(rank["graphs"]) == entries
         for graph in rank["graphs"].values():
-            assert graph["opcodes"]["all-reduce"] > 0 and graph["opcodes"]["all-gather"] == 1
+            collectives = (graph["opcodes"].get("all-reduce", 0) > 0, graph["opcodes"].get("all-gather", 0))
+            assert collectives == ((True, 1) if tp_degree == 2 else (False, 0))
             assert not set(graph["opcodes"]) - hlo.supported_opcodes()
-    assert len(built["trace"]["ranks"]) == variant_record["tp_degree"] == 2
+    assert len(built["trace"]["ranks"]) == tp_degree == (1 if variant.endswith("_tp1") else 2)
+
+
+@needs_torch_xla
+def test_e2b_shape_is_validated_on_one_rank_and_lowered_on_two_with_its_kv_head_copied(tmp_path):
+    """The tiny model in E2B's shape (one KV head): 512_bf16_tp1 through every stage on the XLA device, validated;
+    512_fp32's two ranks lowered, each attending its query heads over its copy of the one KV head."""
+    root = tmp_path / "artifacts"
+    proc = build(root, "512_bf16_tp1", *E2B_SHAPE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((root / "gemma4_tiny" / "512_bf16_tp1" / "metrics.json").read_text())
+    assert metrics["parity"]["passed"]
+    proc = cli("+variant=512_fp32", "backend=xla", f"artifacts_dir={root}", "stage=trace", *E2B_SHAPE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = trace_record(root, "512_fp32")["ranks"]
+    assert len(ranks) == 2 and all(graph["opcodes"]["all-reduce"] > 0 for r in ranks for graph in r["graphs"].values())
 
 
 @needs_torch_xla

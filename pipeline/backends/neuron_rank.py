@@ -185,7 +185,8 @@ def full_checkpoint(job: NeuronJob) -> dict[str, torch.Tensor]:
     spec = load_spec(job.checkpoint.directory)
     with job_checkpoint(job) as ckpt:
         whole = load_rank_state(ckpt, ShardPlan(spec, 1), 0, shape.torch_dtype)
-    return {"decoder." + name: tensor for name, tensor in whole.items()}
+    plan = ShardPlan(spec, shape.tp_degree)  # KV heads fewer than ranks: each repeated, so that NxD's cut copies them
+    return {"decoder." + name: plan.builder_tensor(name, tensor) for name, tensor in whole.items()}
 
 
 def host_prefill_rank(job: NeuronJob) -> tuple[nn.Module, dict]:

@@ -30,7 +30,7 @@ from pipeline.core.errors import InputError, PipelineError
 from pipeline.core.log import exit_on_error, log, setup
 from pipeline.decoding.runner import DECODE_THREADS
 from pipeline.models.tiny_model import MEANINGLESS, is_tiny
-from pipeline.serving.engine import require_tokenizer, text_prefix_of
+from pipeline.serving.engine import require_the_builds_checkpoint, require_tokenizer, text_prefix_of
 from pipeline.validation.generation import Generator, new_tokens_problem
 from pipeline.validation.prompts import chat_ids
 
@@ -62,6 +62,7 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
     build, _ = reverified(rank_dir, manifest, verify_full)
     shape = manifest.shape
     require_tokenizer(checkpoint)
+    require_the_builds_checkpoint(checkpoint, manifest)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = chat_ids(tokenizer, prompt)
     # What the cache has room for, or refused now, before anything loads (serve's rule: never clamped in silence).

@@ -1,4 +1,5 @@
-"""A checkpoint shaped exactly as google/gemma-4-E4B-it's text decoder, with random weights, written locally.
+"""A checkpoint shaped exactly as google/gemma-4-E4B-it's text decoder (or, with ``--model e2b``, E2B's), with random
+weights, written locally.
 
 For the full-size rehearsal (``make rehearse-e4b``): every figure at the scale the job runs at, with no download. The
 decoder is the release's (``E4B_TEXT``: 42 layers, hidden 2560, vocabulary 262,144, per-layer width 256, 18 KV-shared
@@ -14,10 +15,15 @@ bytes in blocks of rows), so the per-layer embedding table (262,144 x 10,752 = 2
 is never whole in memory. The weights follow the tiny model's initialisation (pipeline/models/tiny_model.py) so
 greedy choices are made by clear margins; each block of rows has its own seeded generator: same arguments, same bytes.
 
-    python -m pipeline.models.e4b_shaped DIR [--layers 42]
+E2B's (``E2B_TEXT``: 35 layers in a period of five, hidden 1536, one KV head, 20 KV-shared layers with a double-wide
+MLP) is one ``model.safetensors`` without an index, as the release stores it, and holds the release's unused K/V
+projections of the KV-shared layers.
 
-Writes into DIR: ``config.json``, ``generation_config.json``, ``model-0000N-of-0000M.safetensors``,
-``model.safetensors.index.json``, the tokenizer files and ``e4b_shaped.json`` (what made them).
+    python -m pipeline.models.e4b_shaped DIR [--model e4b|e2b] [--layers N]
+
+Writes into DIR: ``config.json``, ``generation_config.json``, ``model-0000N-of-0000M.safetensors`` and
+``model.safetensors.index.json`` (E4B) or ``model.safetensors`` (E2B), the tokenizer files and ``e4b_shaped.json``
+(what made them).
 """
 
 from __future__ import annotations
@@ -52,6 +58,27 @@ E4B_TEXT = {
     "max_position_embeddings": 131072, "tie_word_embeddings": True,
     "eos_token_id": [1, 106], "bos_token_id": 2, "pad_token_id": 0,
 }
+# google/gemma-4-E2B-it's text decoder (docs/models.md): where it differs from E4B's.
+E2B_TEXT = dict(
+    E4B_TEXT, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_key_value_heads=1,
+    num_kv_shared_layers=20, use_double_wide_mlp=True,
+    layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(35)])
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release's text decoder and how its checkpoint stores it."""
+
+    text: dict
+    period: int
+    """Layers per repeat of the attention pattern (a cut keeps whole periods)."""
+    shard_bytes: int | None
+    """Files of about this size with an index (E4B), or None: one ``model.safetensors`` (E2B)."""
+    unused_shared_kv: bool
+    """The checkpoint keeps K/V projections of the KV-shared layers, which the model never uses (E2B's does)."""
+
+
+RELEASES = {"e4b": Release(E4B_TEXT, 6, SHARD_BYTES, False), "e2b": Release(E2B_TEXT, 5, None, True)}
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 TURN_START_ID, TURN_END_ID = 105, 106  # <|turn> and <turn|>, where the release has them
 
@@ -64,16 +91,20 @@ class Written:
     seconds: float
 
 
-def text_config(layers: int = 42) -> dict:
-    """E4B's text config, optionally cut to its first ``layers`` layers (the KV-shared ones cut in proportion)."""
-    if layers == E4B_TEXT["num_hidden_layers"]:
-        return dict(E4B_TEXT)
-    if layers < 12 or layers % 6:
-        raise ValueError(f"--layers {layers}: use a multiple of 6 from 12 (every sixth layer is a full-attention one, "
-                         "and the KV-shared layers need one of each kind before them)")
-    shared = E4B_TEXT["num_kv_shared_layers"] * layers // E4B_TEXT["num_hidden_layers"]
-    return dict(E4B_TEXT, num_hidden_layers=layers, num_kv_shared_layers=shared,
-                layer_types=E4B_TEXT["layer_types"][:layers])
+def text_config(layers: int | None = None, model: str = "e4b") -> dict:
+    """The release's text config, optionally cut to its first ``layers`` layers (the KV-shared ones cut in
+    proportion)."""
+    release = RELEASES[model]
+    full = release.text["num_hidden_layers"]
+    if layers is None or layers == full:
+        return dict(release.text)
+    if layers < 2 * release.period or layers % release.period:
+        raise ValueError(f"--layers {layers}: use a multiple of {release.period} from {2 * release.period} (every "
+                         f"{release.period}th layer is a full-attention one, and the KV-shared layers need one of each "
+                         "kind before them)")
+    shared = release.text["num_kv_shared_layers"] * layers // full
+    return dict(release.text, num_hidden_layers=layers, num_kv_shared_layers=shared,
+                layer_types=release.text["layer_types"][:layers])
 
 
 def multimodal_config(text: dict):
@@ -91,7 +122,7 @@ def multimodal_config(text: dict):
 
 
 def release_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor the release stores, by name and shape: transformers' own model, built on the meta device."""
+    """Every tensor transformers' own model stores, by name and shape, built on the meta device."""
     import torch
     from transformers import Gemma4ForConditionalGeneration
 
@@ -99,6 +130,21 @@ def release_shapes(config) -> dict[str, tuple[int, ...]]:
         model = Gemma4ForConditionalGeneration(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes.pop("lm_head.weight", None)  # tied to the token embedding, as in the release
+    return shapes
+
+
+def unused_shared_kv_shapes(text: dict) -> dict[str, tuple[int, ...]]:
+    """The K/V projections and key norm of each KV-shared layer, shaped as a producer's: what E2B's checkpoint holds
+    beyond transformers' model (which builds no such modules and skips them at load)."""
+    shapes = {}
+    layers, hidden = text["num_hidden_layers"], text["hidden_size"]
+    for index in range(layers - text["num_kv_shared_layers"], layers):
+        full = text["layer_types"][index] == "full_attention"
+        head_dim = text["global_head_dim"] if full and text.get("global_head_dim") else text["head_dim"]
+        width = text["num_key_value_heads"] * head_dim
+        pre = f"{TEXT_PREFIX}layers.{index}.self_attn."
+        shapes.update({pre + "k_proj.weight": (width, hidden), pre + "v_proj.weight": (width, hidden),
+                       pre + "k_norm.weight": (head_dim,)})
     return shapes
 
 
@@ -157,12 +203,12 @@ def write_shard(path: Path, tensors: dict[str, tuple[int, ...]], cfg: TinyModelC
     return offset
 
 
-def plan_shards(shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
-    """Tensors in name order, cut into files of about ``SHARD_BYTES``."""
+def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES) -> list[dict[str, tuple[int, ...]]]:
+    """Tensors in name order, cut into files of about ``shard_bytes``."""
     shards, current, size = [], {}, 0
     for name in sorted(shapes):
         nbytes = math.prod(shapes[name]) * 2
-        if current and size + nbytes > SHARD_BYTES:
+        if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = {}, 0
         current[name] = shapes[name]
@@ -220,41 +266,51 @@ def build_tokenizer(vocab_size: int):
 
 # -- all of it --------------------------------------------------------------------------------------------------------
 
-def write(out_dir: str | Path, layers: int = 42, seed: int = 20261205) -> Written:
-    """The E4B-shaped checkpoint in ``out_dir`` (created; files of an earlier run are replaced)."""
+def write(out_dir: str | Path, layers: int | None = None, seed: int = 20261205, model: str = "e4b") -> Written:
+    """The release-shaped checkpoint of ``model`` (``e4b`` or ``e2b``) in ``out_dir`` (created; files of an earlier
+    run are replaced)."""
     from transformers import GenerationConfig
 
     started = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = text_config(layers)
+    release = RELEASES[model]
+    text = text_config(layers, model)
     config = multimodal_config(text)
     cfg = TinyModelConfig(seed=seed, vocab_size=text["vocab_size"])
-    shards = plan_shards(release_shapes(config))
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += write_shard(out / name, tensors, cfg)
-        weight_map.update(dict.fromkeys(tensors, name))
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    shapes = release_shapes(config) | (unused_shared_kv_shapes(text) if release.unused_shared_kv else {})
+    if release.shard_bytes is None:  # one file, no index, as the release has it
+        total, shards = write_shard(out / "model.safetensors", dict(sorted(shapes.items())), cfg), [shapes]
+    else:
+        shards = plan_shards(shapes, release.shard_bytes)
+        weight_map, total = {}, 0
+        for i, tensors in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += write_shard(out / name, tensors, cfg)
+            weight_map.update(dict.fromkeys(tensors, name))
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, TURN_END_ID], pad_token_id=PAD_ID,
                      do_sample=False).save_pretrained(out)
     build_tokenizer(text["vocab_size"]).save_pretrained(out)
     took = time.monotonic() - started
     (out / "e4b_shaped.json").write_text(json.dumps(
-        {"layers": layers, "seed": seed, "weight_bytes": total, "shards": len(shards)}, indent=2) + "\n")
+        {"model": model, "layers": text["num_hidden_layers"], "seed": seed, "weight_bytes": total,
+         "shards": len(shards)}, indent=2) + "\n")
     return Written(out, len(shards), total, took)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.models.e4b_shaped", description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--layers", type=int, default=42, help="a multiple of 6 from 12 (default: all 42 of E4B)")
+    parser.add_argument("--model", choices=sorted(RELEASES), default="e4b", help="the release whose shape to write")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="fewer layers: a multiple of the attention period (6 for E4B, 5 for E2B) from two "
+                             "periods (default: all of them, 42 for E4B, 35 for E2B)")
     parser.add_argument("--seed", type=int, default=20261205)
     args = parser.parse_args(argv)
-    done = write(args.directory, args.layers, args.seed)
+    done = write(args.directory, args.layers, args.seed, args.model)
     print(f"wrote {done.weight_bytes / 1e9:.2f} GB of bf16 weights in {done.shards} files to {done.directory} "
           f"in {done.seconds:.0f} s")
     return 0

@@ -4,8 +4,10 @@ It is a real ``transformers`` checkpoint (``Gemma4TextConfig`` / ``Gemma4ForCaus
 tokenizer trained here on the shipped corpus and a Gemma-4 style chat template, so every stage runs on it exactly as
 on the real E4B. Its configuration exercises every E4B mechanism at toy size: per-layer embeddings, sliding and full
 attention layers with different head sizes, a sliding window shorter than the test prompts, KV-shared layers, two KV
-heads under four query heads, a final logit soft-cap and tied embeddings. Its ``layer_scalar`` buffers are not 1, so
-a loader that copies parameters only produces a visibly different model.
+heads under four query heads, a final logit soft-cap and tied embeddings. It takes E2B's shape too
+(``use_double_wide_mlp``, one KV head, a period of five layers, the unused K/V of the KV-shared layers:
+tests/helpers.py ``E2B_SHAPE``). Its ``layer_scalar`` buffers are not 1, so a loader that copies parameters only
+produces a visibly different model.
 
 Writes into the target directory: ``config.json``, ``generation_config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja``. Same configuration, same bytes.
@@ -54,6 +56,13 @@ class TinyModelConfig:
         "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
     final_logit_softcapping: float = 30.0
     max_position_embeddings: int = 4096
+    # E2B's MLP: the KV-shared layers twice as wide (transformers' Gemma4TextMLP). Off by default, and then absent from
+    # config.json, so that the embedded model's bytes are what they were before E2B's shape could be asked for.
+    use_double_wide_mlp: bool = False
+    # The E2B release's checkpoint still carries k_proj/v_proj/k_norm of its KV-shared layers, which the model never
+    # uses (transformers builds no such modules and skips them at load): true writes them too, so that CI reads past
+    # them as a build of the release must.
+    unused_shared_kv: bool = False
     # Standard deviation of the projections is weight_gain / sqrt(fan_in); large enough that greedy choices are
     # decided by clear margins (bf16 parity would mean nothing on near-ties), small enough not to saturate the cap.
     weight_gain: float = 0.5
@@ -68,7 +77,8 @@ class TinyModelConfig:
 
 def hf_text_config(cfg: TinyModelConfig) -> dict:
     """The ``config.json`` content (before transformers adds its defaults)."""
-    return {
+    e2b = {"use_double_wide_mlp": True} if cfg.use_double_wide_mlp else {}
+    return e2b | {
         "architectures": ["Gemma4ForCausalLM"],
         "model_type": "gemma4_text",
         "vocab_size": cfg.vocab_size,
@@ -135,6 +145,24 @@ def _init_tensor(name: str, shape: tuple[int, ...], cfg: TinyModelConfig):
     return cfg.weight_gain / fan_in**0.5 * torch.randn(shape, generator=gen)
 
 
+def _add_unused_shared_kv(weights: Path, config, cfg: TinyModelConfig) -> None:
+    """Add to ``weights`` the K/V projections and key norm of every KV-shared layer, shaped as a producer's would be."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(weights)
+    hidden, kv_heads = cfg.hidden_size, cfg.num_key_value_heads
+    for index in range(cfg.num_hidden_layers - cfg.num_kv_shared_layers, cfg.num_hidden_layers):
+        full = config.layer_types[index] == "full_attention"
+        head_dim = cfg.global_head_dim if full and cfg.global_head_dim else cfg.head_dim
+        shapes = {"k_proj.weight": (kv_heads * head_dim, hidden), "v_proj.weight": (kv_heads * head_dim, hidden),
+                  "k_norm.weight": (head_dim,)}
+        for part, shape in shapes.items():
+            name = f"model.layers.{index}.self_attn.{part}"
+            state[name] = _init_tensor(name, shape, cfg).to(torch.float32)
+    save_file(state, weights, metadata={"format": "pt"})
+
+
 def build_tokenizer(cfg: TinyModelConfig):
     """A byte-level BPE tokenizer trained on the shipped corpus, wrapped for ``transformers``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -183,6 +211,8 @@ def generate(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
                            f"unexpected={unexpected}")
     model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)
+    if cfg.unused_shared_kv:
+        _add_unused_shared_kv(out_dir / "model.safetensors", config, cfg)
     GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, TURN_END_ID], pad_token_id=PAD_ID, do_sample=False,
     ).save_pretrained(out_dir)

@@ -43,9 +43,11 @@ def usage(example: Manifest | None, source: str) -> str:
         return "No version is published yet."
     verify = ("--public-key PUBLISHER-KEY.pub.pem" if example.signature
               else "--allow-unsigned   # this version is not signed")
+    # The base model's own files, at the revision the build was made from (serve and generate check its config.json).
+    checkpoint = f"/data/{(example.model.hub_id or example.model.name).split('/')[-1]}"
     return f"""```bash
 python -m pipeline pull {source} {example.version} --dest /workspace {verify}
-python -m pipeline generate /workspace/{example.archive.root} --checkpoint /data/gemma-4-E4B-it \\
+python -m pipeline generate /workspace/{example.archive.root} --checkpoint {checkpoint} \\
     --prompt "What is the capital of France?"
 ```
 

@@ -14,7 +14,7 @@ import torch
 from pipeline.recipe.checkpoint import Checkpoint
 from pipeline.recipe.model import StatefulRank, build_rank
 from pipeline.recipe.parallel import Parallel
-from pipeline.recipe.plan import ShardPlan, load_rank_state
+from pipeline.recipe.plan import ShardPlan, kv_head_start, kv_heads_split, load_rank_state, rank_kv_heads
 from pipeline.recipe.spec import ModelSpec
 
 TOKEN_TABLE = "embed_tokens.weight"
@@ -68,14 +68,16 @@ class HostPrefill:
 
 
 def split_kv_for_ranks(caches: list[torch.Tensor], tp_degree: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
-    """Slice full-head caches ``[1, kv_heads, kv_max, d]`` into each rank's heads: rank r gets heads
-    ``[r * kv_heads / tp, (r + 1) * kv_heads / tp)``, the same split the rank's k/v projections use."""
+    """Slice full-head caches ``[1, kv_heads, kv_max, d]`` into each rank's heads, as the rank's k/v projections are
+    split (pipeline/recipe/plan.py): rank r gets heads ``[r * kv_heads / tp, (r + 1) * kv_heads / tp)``, or, with
+    fewer heads than ranks, a copy of head ``r * kv_heads // tp``."""
     per_rank: list[list[torch.Tensor]] = [[] for _ in range(tp_degree)]
     for cache in caches:
         heads = cache.shape[1]
-        if heads % tp_degree:
-            raise ValueError(f"{heads} KV heads do not split over tp_degree={tp_degree}")
-        width = heads // tp_degree
+        if not kv_heads_split(heads, tp_degree):
+            raise ValueError(f"{heads} KV heads neither split over nor copy onto tp_degree={tp_degree} ranks")
+        width = rank_kv_heads(heads, tp_degree)
         for rank in range(tp_degree):
-            per_rank[rank].append(cache[:, rank * width:(rank + 1) * width].to(dtype).contiguous())
+            start = kv_head_start(heads, tp_degree, rank)
+            per_rank[rank].append(cache[:, start:start + width].to(dtype).contiguous())
     return per_rank

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pipeline.recipe.parallel import Parallel
-from pipeline.recipe.plan import ShardPlan
+from pipeline.recipe.plan import ShardPlan, rank_kv_heads
 from pipeline.recipe.spec import LayerSpec, ModelSpec, rope_inv_freq
 
 GELU_TANH_COEFF = 0.7978845608028654  # sqrt(2 / pi)
@@ -89,13 +89,16 @@ class Attention(nn.Module):
         h, d = spec.hidden_size, layer.head_dim
         self.head_dim = d
         self.heads = spec.num_heads // par.tp_degree
-        self.kv_heads = layer.num_kv_heads // par.tp_degree
+        self.kv_heads = rank_kv_heads(layer.num_kv_heads, par.tp_degree)
         self.dtype = dtype
         self.q_proj = par.column(h, spec.num_heads * d, dtype)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         if layer.is_producer:
-            self.k_proj = par.column(h, layer.num_kv_heads * d, dtype)
-            self.v_proj = par.column(h, layer.num_kv_heads * d, dtype)
+            # Column-parallel over every rank's heads: the model's, or one copy per rank when it has fewer than ranks
+            # (ShardPlan.builder_tensor lays a full checkpoint out so for builders that cut equal chunks).
+            kv_width = self.kv_heads * par.tp_degree * d
+            self.k_proj = par.column(h, kv_width, dtype)
+            self.v_proj = par.column(h, kv_width, dtype)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
             self.v_norm = RMSNorm(d, spec.rms_norm_eps, with_scale=False)
         self.o_proj = par.row(spec.num_heads * d, h, dtype)
@@ -203,7 +206,7 @@ class RankDecoder(nn.Module):
         # rank and the order host-computed caches are seeded in.
         for kind in ("k", "v"):
             for layer in spec.producers:
-                shape = (batch_size, layer.num_kv_heads // plan.tp_degree, kv_max, layer.head_dim)
+                shape = (batch_size, rank_kv_heads(layer.num_kv_heads, plan.tp_degree), kv_max, layer.head_dim)
                 self.register_buffer(f"{kind}_cache_{layer.index}", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def cache_names(self) -> list[str]:

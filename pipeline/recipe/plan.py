@@ -2,9 +2,12 @@
 
 Column-parallel (split by output rows): q/k/v projections (by head, so rank r owns query heads
 ``[r*h/tp, (r+1)*h/tp)`` and KV heads ``[r*kv/tp, (r+1)*kv/tp)``, which keeps Gemma's grouped-query mapping intact),
-gate and up projections, and the tied output head (by vocabulary; its logits are gathered). Row-parallel (split by
-input columns, summed with an all-reduce before Gemma's post-norms): o and down projections. Everything else is
-replicated. The token and per-layer embedding tables stay on the host.
+gate and up projections, and the tied output head (by vocabulary; its logits are gathered). A model with fewer KV
+heads than ranks (E2B: one, at tp_degree 2) copies them instead: rank r holds KV head ``r*kv//tp``, the one its query
+heads attend (NxD-Inference's ``REPLICATE_TO_TP_DEGREE``; the seed's E2B build at TP=2 copies its head to both cores),
+and every rank keeps a cache of its own copy. ``tp_degree`` must then be a multiple of the KV heads. Row-parallel
+(split by input columns, summed with an all-reduce before Gemma's post-norms): o and down projections. Everything else
+is replicated. The token and per-layer embedding tables stay on the host.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 
 from pipeline.core.errors import CheckpointError, ConfigError
 from pipeline.recipe.checkpoint import HEAD, Checkpoint
-from pipeline.recipe.spec import ModelSpec
+from pipeline.recipe.spec import LayerSpec, ModelSpec
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
+KV_PROJECTIONS = ("k_proj.weight", "v_proj.weight")
 HOST_ONLY = ("embed_tokens.weight", "embed_tokens_per_layer.weight")  # looked up on the host, never on a rank
 FP32_SUFFIXES = ("norm.weight", "layer_scalar")  # small tensors kept in fp32 whatever the variant's dtype
 
@@ -39,14 +43,17 @@ class ShardPlan:
             if spec.num_heads % tp:
                 problems.append(f"variant.tp_degree={tp} does not divide num_attention_heads={spec.num_heads}")
             for kv in sorted({layer.num_kv_heads for layer in spec.layers}):
-                if kv % tp:
-                    problems.append(f"variant.tp_degree={tp} does not divide num_key_value_heads={kv}")
+                if not kv_heads_split(kv, tp):
+                    problems.append(f"variant.tp_degree={tp} neither divides num_key_value_heads={kv} nor is a "
+                                    "multiple of it (fewer KV heads than ranks are copied, whole)")
             for size in sorted({layer.intermediate_size for layer in spec.layers}):
                 if size % tp:
                     problems.append(f"variant.tp_degree={tp} does not divide intermediate_size={size}")
         if problems:
             divisors = [d for d in range(1, spec.num_heads + 1)
-                        if spec.num_heads % d == 0 and all(layer.num_kv_heads % d == 0 for layer in spec.layers)]
+                        if spec.num_heads % d == 0 and all(kv_heads_split(layer.num_kv_heads, d)
+                                                           for layer in spec.layers)
+                        and all(layer.intermediate_size % d == 0 for layer in spec.layers)]
             raise ConfigError([p + f" (choose variant.tp_degree from {divisors})" for p in problems])
 
     @property
@@ -76,10 +83,19 @@ class ShardPlan:
             return (self.spec.vocab_size, self.spec.hidden_size)
         return self.spec.text_tensor_shapes()[name]
 
+    def copied_kv_layer(self, name: str) -> LayerSpec | None:
+        """The layer of ``name`` when it is a K/V projection whose heads are copied (fewer KV heads than ranks)."""
+        if self.tp_degree == 1 or not name.endswith(KV_PROJECTIONS):
+            return None
+        layer = self.spec.layers[int(name.split(".")[1])]  # layers.<i>.self_attn.{k,v}_proj.weight
+        return layer if layer.num_kv_heads < self.tp_degree else None
+
     def rank_shape(self, name: str) -> tuple[int, ...]:
         shape = list(self.full_shape(name))
         dim = self.split(name)
-        if dim is not None:
+        if self.copied_kv_layer(name) is not None:
+            shape[0] = self.copied_kv_layer(name).head_dim  # one whole head
+        elif dim is not None:
             shape[dim] //= self.tp_degree
         return tuple(shape)
 
@@ -97,17 +113,49 @@ class ShardPlan:
 
     def rank_kv_bytes(self, kv_max: int, batch_size: int, dtype: torch.dtype) -> int:
         """Bytes of one rank's KV caches, as pipeline/recipe/model.py ``RankDecoder`` registers them: a key and a value
-        tensor per producer layer, ``[batch_size, kv_heads / tp_degree, kv_max, head_dim]`` at ``dtype``."""
-        return sum(2 * batch_size * (layer.num_kv_heads // self.tp_degree) * kv_max * layer.head_dim * dtype.itemsize
-                   for layer in self.spec.producers)
+        tensor per producer layer, ``[batch_size, rank_kv_heads, kv_max, head_dim]`` at ``dtype`` (a copied head
+        counted on every rank that holds it)."""
+        return sum(2 * batch_size * rank_kv_heads(layer.num_kv_heads, self.tp_degree) * kv_max * layer.head_dim
+                   * dtype.itemsize for layer in self.spec.producers)
 
     def rank_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of rank ``rank``'s part of ``name``, or None when replicated."""
         dim = self.split(name)
         if dim is None:
             return None
+        layer = self.copied_kv_layer(name)
+        if layer is not None:
+            start = kv_head_start(layer.num_kv_heads, self.tp_degree, rank) * layer.head_dim
+            return 0, start, start + layer.head_dim
         width = self.full_shape(name)[dim] // self.tp_degree
         return dim, rank * width, (rank + 1) * width
+
+    def builder_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``name``'s full tensor as a builder that cuts every column-parallel weight into ``tp_degree`` equal chunks
+        (neuronx-distributed's ModelBuilder) must be given it: a copied K/V projection's heads each repeated
+        ``tp_degree / kv_heads`` times, so that chunk r is rank r's head; every other tensor as it is."""
+        layer = self.copied_kv_layer(name)
+        if layer is None:
+            return tensor
+        copies = self.tp_degree // layer.num_kv_heads
+        heads = tensor.view(layer.num_kv_heads, layer.head_dim, -1)
+        return heads.repeat_interleave(copies, dim=0).reshape(self.tp_degree * layer.head_dim, -1)
+
+
+def kv_heads_split(kv_heads: int, tp_degree: int) -> bool:
+    """Can ``kv_heads`` KV heads be laid over ``tp_degree`` ranks: split evenly, or (fewer) each copied whole?"""
+    return kv_heads % tp_degree == 0 or tp_degree % kv_heads == 0
+
+
+def rank_kv_heads(kv_heads: int, tp_degree: int) -> int:
+    """KV heads one rank holds: its share, or one copied head when there are fewer heads than ranks."""
+    return max(1, kv_heads // tp_degree)
+
+
+def kv_head_start(kv_heads: int, tp_degree: int, rank: int) -> int:
+    """The first KV head rank ``rank`` holds: that of its query heads in both cases (query head j attends KV head
+    ``j // (heads / kv_heads)``, and rank r's query heads start at ``r * heads / tp_degree``)."""
+    return rank * kv_heads // tp_degree
 
 
 def tensor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

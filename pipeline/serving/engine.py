@@ -35,6 +35,7 @@ from pipeline.artifact.manifest import Manifest, manifest_of
 from pipeline.artifact.pulled import reverified
 from pipeline.backends import get_backend
 from pipeline.core.errors import InputError
+from pipeline.core.fsutil import sha256_file
 from pipeline.core.log import log
 from pipeline.core.shape import BuildShape
 from pipeline.decoding.engine import BatchEngine
@@ -135,6 +136,21 @@ def require_tokenizer(checkpoint: Path) -> None:
                          "the base model's tokenizer files into it (the model stage's weights/ folder has them)")
 
 
+def require_the_builds_checkpoint(checkpoint: Path, manifest: Manifest) -> None:
+    """The checkpoint ``manifest``'s build was made from, by its config.json's digest (``model.config_digest``): the
+    host looks up its embedding tables and the ranks were traced for its shapes, so another model's checkpoint (E2B's
+    for an E4B build) would fail mid-request or, at equal widths, decode the wrong text without a word."""
+    found = sha256_file(checkpoint / "config.json")
+    model = manifest.model
+    if found == model.config_digest:
+        return
+    where = (f"hf download {model.hub_id} --revision {model.revision} --local-dir DIR" if model.hub_id
+             else f"the {model.name} model stage's weights/ folder")
+    raise InputError(f"--checkpoint {checkpoint} is not the checkpoint {manifest.version} was built from: its "
+                     f"config.json has sha256 {found[:12]}, {model.name}'s ({model.hub_id or 'generated'}) "
+                     f"{model.config_digest[:12]}. Point --checkpoint at that model's files ({where})")
+
+
 def max_prompt_chars(tokenizer, kv_max: int) -> int:
     """The most characters a prompt could have and still fit ``kv_max`` tokens: each token stands for at most as many
     characters as its vocabulary entry's spelling (``▁the`` for " the"; a byte-fallback ``<0x41>`` for one), so a
@@ -191,11 +207,12 @@ class Engine:
         return self.shape.batch_size
 
     def verify(self, full: bool = False) -> str:
-        """The rank files against the manifest, and the checkpoint's tokenizer: before any load. A pulled version's
-        files are checked by their record when unchanged since pull hashed them (pipeline/artifact/pulled.py), else
-        (or with ``full``) hashed; returns which."""
+        """The rank files against the manifest, and the checkpoint (its tokenizer; the build's model): before any
+        load. A pulled version's files are checked by their record when unchanged since pull hashed them
+        (pipeline/artifact/pulled.py), else (or with ``full``) hashed; returns which."""
         self.build, how = reverified(self.rank_dir, self.manifest, full)
         require_tokenizer(self.checkpoint)
+        require_the_builds_checkpoint(self.checkpoint, self.manifest)
         return how
 
     def load(self) -> None:

@@ -105,11 +105,17 @@ def require_valid_tag(version: str) -> None:
 
 
 def require_same_model(manifest: Manifest, published: list[Manifest], repo_id: str) -> None:
-    """One repository, one model: the card names it, and every version must be a build of it."""
-    theirs = {m.model.hub_id for m in published}
-    if theirs and theirs != {manifest.model.hub_id}:
-        raise PublishError(f"{repo_id} holds builds of {sorted(map(str, theirs))}; {manifest.version} is a build of "
-                           f"{manifest.model.hub_id!r}: publish it to another publish.repo_id. Nothing was published")
+    """One repository, one model: the card names it, a variant's folder holds one model's builds (``pull 512_bf16``
+    never picks another model's), and the regression gate compares builds of one model. Checked before the gate."""
+    def named(m: Manifest) -> str:
+        return f"{m.model.name} ({m.model.hub_id or 'generated'})"
+
+    theirs = {named(m) for m in published}
+    if theirs and theirs != {named(manifest)}:
+        raise PublishError(f"{repo_id} holds builds of {', '.join(sorted(theirs))}; {manifest.version} is a build of "
+                           f"{named(manifest)}: each model has its own repository (model.published_repo names it: "
+                           "publish.repo_id's default), so publish it to another publish.repo_id (publish=hub) or "
+                           "publish.local_dir (publish=local). Nothing was published")
 
 
 def require_validated(manifest: Manifest, report: ValidationRecord, variant: str) -> None:
@@ -294,10 +300,10 @@ def publish_version(target, version: str, variant: str, prepare, ours: Manifest,
                            "something that decides them is missing from the version's inputs (stages/trace.py, "
                            "inputs_digest). A published version is never replaced; nothing was published")
     head = target.head()
+    others = published_manifests(target, version)
+    require_same_model(ours, [m for m, _ in others], repo_id)
     files, manifest = prepare(read_manifest(target.read(head, layout.path_in(variant, layout.MANIFEST)),
                                             f"{variant}/manifest.json at the head"))
-    others = published_manifests(target, version)
-    require_same_model(manifest, [m for m, _ in others], repo_id)
     card = render([m for m, _ in others] + [manifest], repo_id, source).encode()
     new = (manifest, sha256_bytes(files[layout.path_in(variant, layout.MANIFEST)]))
     files = {**files, layout.CARD: card, **index_files(target, head, others, new, private_key, expiry_days)}
