@@ -271,6 +271,27 @@ def test_the_release_layout_matches_what_the_pipeline_reads():
                or len(part) == 1 for part in shards)
 
 
+def test_the_e2b_release_layout_holds_what_the_pipeline_reads_and_the_unused_kv_it_reads_past():
+    """``--model e2b``: 35 layers, one KV head, the double-wide MLPs, and the K/V projections of the 20 KV-shared
+    layers the release keeps (docs/models.md), which the checkpoint check reads past and nothing else."""
+    from pipeline.recipe.spec import spec_from_config
+
+    text = e4b_shaped.text_config(model="e2b")
+    config = e4b_shaped.multimodal_config(text)
+    shapes = e4b_shaped.release_shapes(config) | e4b_shaped.unused_shared_kv_shapes(text)
+    spec = spec_from_config(config.to_dict())
+    assert (spec.num_layers, len(spec.producers), {layer.num_kv_heads for layer in spec.layers}) == (35, 15, {1})
+    read = {e4b_shaped.TEXT_PREFIX + name: shape for name, shape in spec.text_tensor_shapes().items()}
+    assert all(shapes[name] == shape for name, shape in read.items())
+    unused = {name for name in shapes if name.startswith(e4b_shaped.TEXT_PREFIX) and name not in read}
+    assert len(unused) == 3 * 20 and unused == {e4b_shaped.TEXT_PREFIX + n for n in spec.ignorable_text_tensors()
+                                                 if not n.endswith("v_norm.weight")}
+    text_bytes = sum(2 * torch.Size(s).numel() for k, s in shapes.items() if k.startswith(e4b_shaped.TEXT_PREFIX))
+    assert 9.0e9 < text_bytes < 10.25e9  # the release: 10,246,621,918 bytes with its towers
+    with pytest.raises(ValueError, match="a multiple of 5 from 10"):
+        e4b_shaped.text_config(12, "e2b")
+
+
 # -- the preflight's terms, against the code that holds them ----------------------------------------------------------
 
 def test_the_preflight_counts_what_the_reference_and_the_host_prefill_hold(bf16_checkpoint):
