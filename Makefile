@@ -39,7 +39,7 @@ VERSION_MARKS := across_versions and not cluster and not container
 PYTEST_WORKERS ?= 2
 XDIST = -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
-.PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b test-production check-base-lock test-xla test-lowest \
+.PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b rehearse-e2b test-production check-base-lock test-xla test-lowest \
 	test-cluster slurm-packages \
 	constraints lock lint dvc-demo clean-artifacts container-packages container-base container-images \
 	test-container
@@ -180,6 +180,11 @@ test-rehearsal: $(VENV)/.installed
 REHEARSAL_DIR ?= /tmp/rehearse-e4b
 rehearse-e4b: $(VENV)/.installed
 	$(PY) bench/rehearse_e4b.py --out $(REHEARSAL_DIR)
+
+# The same for Gemma-4-E2B at one NeuronCore and at two (docs/models.md, docs/full-size.md); not part of .ci/run.
+E2B_REHEARSAL_DIR ?= /tmp/rehearse-e2b
+rehearse-e2b: $(VENV)/.installed
+	$(PY) bench/rehearse_e4b.py --model e2b --out $(E2B_REHEARSAL_DIR)
 
 # Every test marked slow: the rehearsal, and the checks that take a minute or more each (the same bytes from two
 # checkouts, DVC through a compiler upgrade, interrupted traces, rebuilds compared with what was published).

@@ -1,4 +1,5 @@
-"""The full-size rehearsal: every stage on a Gemma-4-E4B-shaped checkpoint, measured (``make rehearse-e4b``).
+"""The full-size rehearsal: every stage on a Gemma-4-E4B-shaped checkpoint, measured (``make rehearse-e4b``); with
+``--model e2b``, on an E2B-shaped one at one NeuronCore and at two (``make rehearse-e2b``).
 
 On one CPU machine, before renting an inf2 host: writes the E4B-shaped random checkpoint
 (``python -m pipeline.models.e4b_shaped``), then runs the pipeline as a user does, one command per stage, for one
@@ -13,7 +14,11 @@ While each command runs, every process of its tree is sampled (``/proc/<pid>/sta
 high-water mark, so no peak falls between samples), and the file system's used bytes give the disk high-water mark.
 Writes ``<out>/rehearsal.json`` (every figure) and ``<out>/rehearsal.md`` (the table docs/full-size.md holds).
 
-    python bench/rehearse_e4b.py [--out /tmp/rehearse-e4b] [--layers 42]
+E2B's rehearsal (``--model e2b``) builds ``512_bf16_tp1`` and ``512_bf16`` (its one KV head copied to both ranks)
+the same way, with transformers' baseline on the same cores, and leaves out pull, serve and the batch (the code they
+run is the same for both models; E4B's rehearsal measures them).
+
+    python bench/rehearse_e4b.py [--model e4b|e2b] [--out /tmp/rehearse-e4b] [--layers 42]
 """
 
 from __future__ import annotations
@@ -34,7 +39,21 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-VARIANTS = ("512_bf16", "512_bf16_host", "512_bf16+bs4")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One model's rehearsal: its conf file, the variants built in turn (the first is pulled, served and the baselines'
+    build), and whether pull and serve run."""
+
+    model: str
+    variants: tuple[str, ...]
+    serves: bool
+
+
+PLANS = {"e4b": Plan("gemma4_e4b", ("512_bf16", "512_bf16_host", "512_bf16+bs4"), serves=True),
+         "e2b": Plan("gemma4_e2b", ("512_bf16_tp1", "512_bf16"), serves=False)}
+VARIANTS = PLANS["e4b"].variants
 BATCHED = VARIANTS[2]
 CLIENTS = (1, 4)  # the batched version served to one client, then four at once
 # A release of 512_bf16 validates six prompts (all that fit 512) with 32 new tokens each; the rehearsal three (one per
@@ -128,8 +147,9 @@ def gib(figures: dict[str, int]) -> str:
     return json.dumps({k: round(v / GIB, 2) for k, v in figures.items()})
 
 
-def pipeline_step(name: str, variant: str, stage: str, ckpt: Path, artifacts: Path, published: Path) -> Step:
-    return Step(name, [sys.executable, "-m", "pipeline", f"+variant={variant}", "model=gemma4_e4b",
+def pipeline_step(name: str, variant: str, stage: str, ckpt: Path, artifacts: Path, published: Path,
+                  model: str = "gemma4_e4b") -> Step:
+    return Step(name, [sys.executable, "-m", "pipeline", f"+variant={variant}", f"model={model}",
                        f"model.path={ckpt}", "backend=cpu", "hardware=local", "publish=local",
                        f"publish.local_dir={published}", f"artifacts_dir={artifacts}", f"stage={stage}", *VALIDATE])
 
@@ -266,16 +286,17 @@ def serve_batched(out: Path, published: Path, ckpt: Path, env: dict) -> dict:
     return figures
 
 
-def baselines(out: Path, artifacts: Path, ckpt: Path, env: dict, disk_base: int) -> dict:
+def baselines(out: Path, artifacts: Path, ckpt: Path, env: dict, disk_base: int, plan: Plan = PLANS["e4b"]) -> dict:
     """transformers' bf16 generate, and ``tar -I 'zstd -T0'`` of the same rank files the package stage packed."""
     hf = run(Step("transformers bf16 generate", [sys.executable, "-c", TRANSFORMERS_BASELINE, str(ckpt), "32",
                                                  str(os.cpu_count() or 1), QUESTION]), disk_base, env)
-    build = artifacts / "gemma4_e4b" / VARIANTS[0] / "build"
+    build = artifacts / plan.model / plan.variants[0] / "build"
+    ranks = " ".join(sorted(p.name for p in build.glob("tp_*.pt")))
     # Flushed to disk before the clock stops, as the package stage fsyncs its archive (unflushed, the baseline's
     # writeback was left to land in whatever ran next)
     baseline = out / "baseline.tar.zst"
     tar = run(Step("tar -I 'zstd -T0' (baseline)", ["sh", "-c", f"tar -C '{build}' -I 'zstd -T0' -cf '{baseline}' "
-                                                                f"tp_0.pt tp_1.pt && sync -f '{baseline}'"]),
+                                                                f"{ranks} && sync -f '{baseline}'"]),
               disk_base, env)
     figures = {"transformers": json.loads(hf.output_tail.strip().splitlines()[-1]),
                "tar_zstd_s": tar.wall_s, "tar_zstd_bytes": (out / "baseline.tar.zst").stat().st_size,
@@ -290,7 +311,7 @@ def gib_of(value: float | None) -> str:
     return "" if value is None else f"{value / GIB:.2f}"
 
 
-def estimates(checkpoint: Path) -> dict[str, float]:
+def estimates(checkpoint: Path, variants: tuple[str, ...] = VARIANTS) -> dict[str, float]:
     """Each step's preflight need (GiB), from the preflight's code as it is now (the records hold what it said when
     they were written)."""
     from pipeline.backends.registry import BACKENDS
@@ -299,7 +320,7 @@ def estimates(checkpoint: Path) -> dict[str, float]:
 
     spec, cpu = load_spec(checkpoint), BACKENDS["cpu"]
     need = {"reference": preflight.reference_need(spec).memory / GIB}
-    for variant in VARIANTS:
+    for variant in variants:
         shape = shape_of(variant)
         est = preflight.estimate(spec, shape, cpu, None)
         need[f"trace {variant}"] = preflight.trace_need(est.resources, cpu, shape, 0, []).memory / GIB
@@ -324,7 +345,7 @@ def shape_of(variant: str):
 def table(out: Path) -> str:
     """The measured table, markdown: every step, its wall time, each process's peak and the preflight's estimate."""
     record = json.loads((out / "artifacts" / "rehearsal.json").read_text())
-    need = estimates(out / "checkpoint")
+    need = estimates(out / "checkpoint", tuple(PLANS[record.get("model", "e4b")].variants))
     lines = ["| step | wall s | peak RSS, largest process of each kind (GiB) | all processes at once (GiB) | "
              "not file-backed (GiB) | preflight estimate (GiB) | estimate / measured | disk high-water (GiB) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -341,13 +362,15 @@ def table(out: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/rehearse-e4b"))
-    parser.add_argument("--layers", type=int, default=42)
+    parser.add_argument("--model", choices=sorted(PLANS), default="e4b")
+    parser.add_argument("--out", type=Path, default=None, help="default: /tmp/rehearse-<model>")
+    parser.add_argument("--layers", type=int, default=None, help="default: all the release's")
     parser.add_argument("--table", action="store_true", help="print the table of a finished rehearsal, run nothing")
     parser.add_argument("--only-extras", action="store_true",
                         help="keep the built artifacts; run only the pull, serve and baselines after them")
     args = parser.parse_args()
-    out = args.out.resolve()
+    out = (args.out or Path(f"/tmp/rehearse-{args.model}")).resolve()
+    plan = PLANS[args.model]
     if args.table:
         print(table(out), end="")
         return 0
@@ -359,46 +382,56 @@ def main() -> int:
         for folder in (artifacts, published, out / "serving"):
             shutil.rmtree(folder, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
-        build_all(out, ckpt, artifacts, published, args.layers, env, disk_base, steps)
-    extras = {"baselines": baselines(out, artifacts, ckpt, env, disk_base)}
-    extras["serve"] = ask_server(out, artifacts, published, ckpt, env, disk_base)
-    extras["serve_batched"] = serve_batched(out, published, ckpt, env)
-    write(out, steps, args.layers, extras)
+        build_all(out, ckpt, artifacts, published, (args.model, args.layers), env, disk_base, steps)
+    extras = {"baselines": baselines(out, artifacts, ckpt, env, disk_base, plan)}
+    if plan.serves:
+        extras["serve"] = ask_server(out, artifacts, published, ckpt, env, disk_base)
+        extras["serve_batched"] = serve_batched(out, published, ckpt, env)
+    write(out, steps, (args.model, args.layers), extras)
     print(table(out), end="")
     return 0
 
 
-def build_all(out: Path, ckpt: Path, artifacts: Path, published: Path, layers: int, env: dict, disk_base: int,
-              steps: list[Step]) -> None:
+def build_all(out: Path, ckpt: Path, artifacts: Path, published: Path, shaped: tuple[str, int | None], env: dict,
+              disk_base: int, steps: list[Step]) -> None:
+    """``shaped``: the release (``e4b``, ``e2b``) and its layers (None: all of them)."""
+    model, layers = shaped
+    plan = PLANS[model]
     def step(s: Step) -> Step:
         steps.append(run(s, disk_base, env))
         if s.returncode:
-            write(out, steps, layers, {})
+            write(out, steps, shaped, {})
             raise SystemExit(f"{s.name} failed (exit {s.returncode})")
         return s
 
+    from pipeline.models.e4b_shaped import RELEASES
+
     marker = ckpt / "e4b_shaped.json"
-    if not marker.exists() or json.loads(marker.read_text())["layers"] != layers:
+    written = json.loads(marker.read_text()) if marker.exists() else {}
+    wanted = (model, layers or RELEASES[model].text["num_hidden_layers"])
+    if (written.get("model", "e4b"), written.get("layers")) != wanted:
         shutil.rmtree(ckpt, ignore_errors=True)
-        step(Step("checkpoint (E4B-shaped, random)", [sys.executable, "-m", "pipeline.models.e4b_shaped", str(ckpt),
-                                                      "--layers", str(layers)]))
+        step(Step(f"checkpoint ({model.upper()}-shaped, random)",
+                  [sys.executable, "-m", "pipeline.models.e4b_shaped", str(ckpt), "--model", model,
+                   *(["--layers", str(layers)] if layers else [])]))
     for stage in ("toolchain", "model", "reference"):
-        step(pipeline_step(stage, VARIANTS[0], stage, ckpt, artifacts, published))
-    for variant in VARIANTS:
+        step(pipeline_step(stage, plan.variants[0], stage, ckpt, artifacts, published, plan.model))
+    for variant in plan.variants:
         for stage in ("trace", "package", "validate", "publish"):
-            step(pipeline_step(f"{stage} {variant}", variant, stage, ckpt, artifacts, published))
+            step(pipeline_step(f"{stage} {variant}", variant, stage, ckpt, artifacts, published, plan.model))
         # Published: its archive is in the publish folder. The first variant's rank files stay for the tar baseline.
-        shutil.rmtree(artifacts / "gemma4_e4b" / variant / "dist")
-        if variant != VARIANTS[0]:
-            shutil.rmtree(artifacts / "gemma4_e4b" / variant / "build")
-    write(out, steps, layers, {})
+        shutil.rmtree(artifacts / plan.model / variant / "dist")
+        if variant != plan.variants[0]:
+            shutil.rmtree(artifacts / plan.model / variant / "build")
+    write(out, steps, shaped, {})
 
 
-def write(out: Path, steps: list[Step], layers: int, extras: dict) -> None:
+def write(out: Path, steps: list[Step], shaped: tuple[str, int | None], extras: dict) -> None:
     path = out / "artifacts" / "rehearsal.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(path.read_text()) if path.exists() else {}
-    record = {"layers": layers, "steps": [asdict(s) for s in steps] or previous.get("steps", []),
+    model, layers = shaped
+    record = {"model": model, "layers": layers, "steps": [asdict(s) for s in steps] or previous.get("steps", []),
               "extras": extras or previous.get("extras", {})}
     path.write_text(json.dumps(record, indent=2) + "\n")
 
