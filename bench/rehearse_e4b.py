@@ -351,7 +351,10 @@ def table(out: Path) -> str:
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for step in record["steps"]:
         kinds = ", ".join(f"{k} {gib_of(v)}" for k, v in step["peak_rss"].items() if v and k != "gone")
-        anon = sum(step["peak_anon"].get(k, 0) * (2 if k == "rank" else 1) for k in step["peak_anon"] if k != "gone")
+        stage, _, variant = step["name"].partition(" ")  # "trace 512_bf16": the largest rank process, once per rank
+        ranks = shape_of(variant).tp_degree if stage in ("trace", "validate") else 1
+        anon = sum(step["peak_anon"].get(k, 0) * (ranks if k == "rank" else 1)
+                   for k in step["peak_anon"] if k != "gone")
         estimate = need.get(step["name"])
         ratio = f"{estimate * GIB / anon:.2f}" if estimate and anon else ""
         lines.append(f"| {step['name']} | {step['wall_s']:.1f} | {kinds} | {gib_of(step['tree_peak_rss'])} | "

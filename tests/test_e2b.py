@@ -59,9 +59,9 @@ def test_the_tiny_model_takes_e2b_shape_with_the_releases_unused_kv(e2b_checkpoi
 
 # Per backend, built one after the other in one artifacts folder (one checkpoint, one reference): tp_degree 2 with the
 # KV head copied (device prefill: the rank files slice it, the ModelBuilder is given it repeated; host prefill: the
-# host's caches are copied to both ranks). One NeuronCore: test_a_third_model_is_its_conf_file (cpu), tests/test_dvc.py
-# (neuron), tests/test_xla.py (xla).
-BUILDS = {"cpu": ["512_fp32"], "neuron": ["512_fp32", "256_bf16_host"]}
+# host's caches are copied to both ranks); and on one NeuronCore (cpu: test_a_third_model_is_its_conf_file; xla:
+# tests/test_xla.py).
+BUILDS = {"cpu": ["512_fp32"], "neuron": ["512_fp32", "256_bf16_host", "512_bf16_tp1"]}
 
 
 def published(artifacts: Path, variant: str) -> dict:
