@@ -142,9 +142,10 @@ class ModelConfig:
     """Where the decoder's tensors live in the checkpoint (``model.language_model.`` in the multimodal release)."""
     head_key: str = "lm_head.weight"
     allow_patterns: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
-    published_repo: str = "gemma-4-E4B-it-inferentia2"
+    published_repo: str = MISSING
     """The name of the repository this model's builds are published to, one per model: ``publish.repo_id``'s
-    default is ``<owner>/<published_repo>`` (the embedded tiny model's demo builds go where E4B's would)."""
+    default is ``<owner>/<published_repo>`` (the embedded tiny model's demo builds go where E4B's would). Every model
+    file names it: a default would send a new model's builds to another model's repository."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     resources: dict[Backend, ResourceNeed] = field(default_factory=dict)
     """``resources.<backend>.<key>``: overrides of what the preflight derives from the checkpoint (ResourceNeed)."""

@@ -236,15 +236,15 @@ def dvc_default_remote(root: str | None) -> str | None:
 
 
 def check_publish_target(cfg) -> None:
-    """A build headed for the Hub that the Hub would refuse, refused before it is built (dvc.yaml's trace stage is
-    given the publish target for this), naming every reason at once."""
+    """A build headed for the Hub that the Hub would refuse (or for a local folder of another model's builds), refused
+    before it is built (dvc.yaml's trace stage is given the publish target for this), naming every reason at once."""
     from pipeline.backends import resolve
     from pipeline.core.errors import PublishError
     from pipeline.stages.publish import target_problems
 
     found = target_problems(cfg, resolve(cfg.backend.name))
     if found:
-        raise PublishError("publish=hub would refuse this build, so nothing was built:\n" +
+        raise PublishError(f"publish={cfg.publish.target} would refuse this build, so nothing was built:\n" +
                            "\n".join(f"  - {p}" for p in found))
 
 

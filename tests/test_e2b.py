@@ -90,13 +90,17 @@ def test_e2b_shape_builds_validates_and_publishes(tmp_path, e2b_checkpoint, sdk,
 
 
 def kept_apart(artifacts: Path, e2b_checkpoint: Path) -> None:
-    """After E2B's 512_fp32 was published, the tiny model's into the same folder is refused before its regression
-    gate would compare the two; and E2B's build run with the other model's checkpoint is refused before any load."""
+    """After E2B's 512_fp32 was published, a build of the tiny model headed for the same folder is refused before
+    anything is built (publish would refuse it, before its regression gate compared the two: tests/test_hub.py); and
+    E2B's build run with the other model's checkpoint is refused before any load."""
     other = pipeline("+variant=512_fp32", "backend=cpu", f"artifacts_dir={artifacts}", *FAST_VALIDATE)
     said = other.stdout + other.stderr
-    assert other.returncode == 1 and "holds builds of gemma4_e2b (google/gemma-4-E2B-it)" in said, said[-3000:]
-    assert "is a build of gemma4_tiny (generated)" in said and "regressed" not in said
+    assert other.returncode == 1 and "publish=local would refuse this build, so nothing was built" in said, said[-3000:]
+    assert "holds builds of google/gemma-4-E2B-it; this is a build of gemma4_tiny" in said
+    assert "publish.local_dir" in said and not (artifacts / "gemma4_tiny").exists()
     assert published(artifacts, "512_fp32")["model"]["name"] == "gemma4_e2b"
+    tiny = pipeline("stage=model", f"artifacts_dir={artifacts}")  # the other model's checkpoint, for generate
+    assert tiny.returncode == 0, tiny.stderr[-2000:]
     build = artifacts / "gemma4_e2b" / "512_fp32" / "build"
     wrong = pipeline("generate", str(build), "--checkpoint", str(artifacts / "gemma4_tiny" / "weights"),
                      "--prompt", "Hi!")

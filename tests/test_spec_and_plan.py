@@ -141,6 +141,17 @@ def test_fewer_kv_heads_than_ranks_are_copied_whole_and_counted_on_every_rank():
     assert two.builder_tensor(q, full) is full and one.builder_tensor(k, full) is full
 
 
+def test_the_device_memory_estimate_counts_each_ranks_copy_of_the_kv_head():
+    """A decode step of 4 lines over 32,768 positions writes E2B's caches (one head, 512 wide on its full layers) with
+    six full-size temporaries: every rank does, its copy of the head whole (pipeline/backends/neuron_memory.py)."""
+    from pipeline.backends.neuron_memory import layer_activations
+    from pipeline.core.shape import BuildShape
+
+    spec = spec_from_config(e2b_config())
+    shape = BuildShape(kv_max=32768, bucket=512, dtype="bf16", prefill="device", tp_degree=2, batch_size=4)
+    assert layer_activations(spec, shape, tokens=1, rows=4) >= 6 * 4 * 1 * 32768 * 512 * 2
+
+
 def test_two_kv_heads_over_four_ranks_give_each_rank_the_head_its_queries_attend():
     spec = spec_from_config(E4B_CONFIG)  # 8 query heads, 2 KV heads: ranks 0-1 attend head 0, ranks 2-3 head 1
     plan = ShardPlan(spec, 4)

@@ -78,11 +78,13 @@ def layer_activations(spec: ModelSpec, shape: BuildShape, tokens: int, rows: int
     """An upper bound of one decoder layer's live intermediates for a call of ``tokens`` tokens of ``rows``
     sequences, on one rank (fp32: the residual stream, norms and softmax are fp32 in the recipe; the matmuls' outputs
     counted at fp32 too)."""
+    from pipeline.recipe.plan import rank_kv_heads
+
     tp, h, heads = shape.tp_degree, spec.hidden_size, spec.num_heads // shape.tp_degree
     item, lines, n = shape.torch_dtype.itemsize, shape.batch_size, rows * tokens
     worst = 0
     for layer in spec.layers:
-        kv_heads, d = layer.num_kv_heads // tp, layer.head_dim
+        kv_heads, d = rank_kv_heads(layer.num_kv_heads, tp), layer.head_dim  # a copied head counted on each rank
         residual = 6 * n * h * FP32  # the stream, its norms, the attention and MLP outputs, the sum
         attention = (n * heads * d * FP32 * 3  # q, rotated q, the attention's output
                      + 2 * heads * n * shape.kv_max * FP32  # scores and probabilities over every slot

@@ -59,10 +59,10 @@ def generate(rank_dir: Path, checkpoint: Path, prompt: str, max_new_tokens: int 
     manifest = (signing.verified_manifest(manifest_of(rank_dir), public_key) if public_key
                 else Manifest.read(manifest_of(rank_dir)))
     judged(manifest, host_toolchain())  # before any byte is hashed
-    build, _ = reverified(rank_dir, manifest, verify_full)
-    shape = manifest.shape
     require_tokenizer(checkpoint)
     require_the_builds_checkpoint(checkpoint, manifest)
+    build, _ = reverified(rank_dir, manifest, verify_full)
+    shape = manifest.shape
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = chat_ids(tokenizer, prompt)
     # What the cache has room for, or refused now, before anything loads (serve's rule: never clamped in silence).

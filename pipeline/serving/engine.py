@@ -144,11 +144,11 @@ def require_the_builds_checkpoint(checkpoint: Path, manifest: Manifest) -> None:
     model = manifest.model
     if found == model.config_digest:
         return
-    where = (f"hf download {model.hub_id} --revision {model.revision} --local-dir DIR" if model.hub_id
-             else f"the {model.name} model stage's weights/ folder")
+    where = (f"for the release: hf download {model.hub_id} --revision {model.revision} --local-dir DIR"
+             if model.hub_id and model.revision else f"the {model.name} model stage's weights/ folder")
     raise InputError(f"--checkpoint {checkpoint} is not the checkpoint {manifest.version} was built from: its "
                      f"config.json has sha256 {found[:12]}, {model.name}'s ({model.hub_id or 'generated'}) "
-                     f"{model.config_digest[:12]}. Point --checkpoint at that model's files ({where})")
+                     f"{model.config_digest[:12]}. Point --checkpoint at the files the build was made from ({where})")
 
 
 def max_prompt_chars(tokenizer, kv_max: int) -> int:
@@ -210,9 +210,9 @@ class Engine:
         """The rank files against the manifest, and the checkpoint (its tokenizer; the build's model): before any
         load. A pulled version's files are checked by their record when unchanged since pull hashed them
         (pipeline/artifact/pulled.py), else (or with ``full``) hashed; returns which."""
-        self.build, how = reverified(self.rank_dir, self.manifest, full)
         require_tokenizer(self.checkpoint)
-        require_the_builds_checkpoint(self.checkpoint, self.manifest)
+        require_the_builds_checkpoint(self.checkpoint, self.manifest)  # before gigabytes are hashed
+        self.build, how = reverified(self.rank_dir, self.manifest, full)
         return how
 
     def load(self) -> None:

@@ -21,6 +21,8 @@ Writes ``artifacts/<model>/<variant>/publish.json``: the receipt (target, repo, 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -77,7 +79,7 @@ def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
     neuron) without ``publish.allow_demo``. All at once: one run says all three, before its first stage."""
     pub = cfg.publish
     if pub.target != "hub":
-        return []
+        return local_problems(cfg)
     found = [p for p in (pub.placeholder_problem(),) if p]
     from huggingface_hub import get_token
 
@@ -96,6 +98,22 @@ def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
     return found
 
 
+def local_problems(cfg: PipelineConfig) -> list[str]:
+    """``publish=local``: a folder holding another model's builds (what ``require_same_model`` refuses at publish),
+    said before anything is built. Its working tree holds each variant's ``manifest.json`` at its head."""
+    repo_dir = outliving_dvc(Paths.of(cfg).root / cfg.publish.local_dir)
+    ours = cfg.model.hub_id or cfg.model.name
+    theirs = set()
+    for path in sorted(repo_dir.glob(f"*/{layout.MANIFEST}")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # publish reads it strictly later
+            model = json.loads(path.read_text())["model"]
+            theirs.add(model.get("hub_id") or model["name"])
+    if not theirs or theirs == {ours}:
+        return []
+    return [f"publish.local_dir {repo_dir} holds builds of {', '.join(sorted(theirs))}; this is a build of {ours}: "
+            f"each model has its own repository, so set publish.local_dir (e.g. published-{cfg.model.name})"]
+
+
 def require_valid_tag(version: str) -> None:
     """A version is published as a tag: a name git (and the Hub) would refuse is refused before any request."""
     problem = version_problem(version)
@@ -107,8 +125,8 @@ def require_valid_tag(version: str) -> None:
 def require_same_model(manifest: Manifest, published: list[Manifest], repo_id: str) -> None:
     """One repository, one model: the card names it, a variant's folder holds one model's builds (``pull 512_bf16``
     never picks another model's), and the regression gate compares builds of one model. Checked before the gate."""
-    def named(m: Manifest) -> str:
-        return f"{m.model.name} ({m.model.hub_id or 'generated'})"
+    def named(m: Manifest) -> str:  # the Hub model, or (generated or local) the model conf's name
+        return m.model.hub_id or m.model.name
 
     theirs = {named(m) for m in published}
     if theirs and theirs != {named(manifest)}:
