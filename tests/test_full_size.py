@@ -278,7 +278,7 @@ def test_the_e2b_release_layout_holds_what_the_pipeline_reads_and_the_unused_kv_
 
     text = e4b_shaped.text_config(model="e2b")
     config = e4b_shaped.multimodal_config(text)
-    shapes = e4b_shaped.release_shapes(config) | e4b_shaped.unused_shared_kv_shapes(text)
+    shapes = e4b_shaped.release_shapes(config) | e4b_shaped.unused_shared_kv_shapes(text, e4b_shaped.TEXT_PREFIX)
     spec = spec_from_config(config.to_dict())
     assert (spec.num_layers, len(spec.producers), {layer.num_kv_heads for layer in spec.layers}) == (35, 15, {1})
     read = {e4b_shaped.TEXT_PREFIX + name: shape for name, shape in spec.text_tensor_shapes().items()}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.core.errors import ConfigError, UnsupportedModelError
-from pipeline.models.e4b_shaped import E4B_TEXT
+from pipeline.models.e4b_shaped import E2B_TEXT, E4B_TEXT
 from pipeline.recipe.host import split_kv_for_ranks
 from pipeline.recipe.plan import ShardPlan
 from pipeline.recipe.spec import FULL, SLIDING, load_spec, rope_inv_freq, spec_from_config
@@ -115,12 +115,9 @@ def test_plan_refuses_tp_that_does_not_divide_heads(tp):
     assert "[1, 2, 4, 8]" in str(err.value) or tp == 0
 
 
-def e2b_config(kv_heads: int = 1) -> dict:
+def e2b_config() -> dict:
     """E2B's text config (one KV head; 35 layers, period five, 20 KV-shared with a double-wide MLP), docs/models.md."""
-    layer_types = ([SLIDING] * 4 + [FULL]) * 7
-    text = dict(E4B_TEXT, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_key_value_heads=kv_heads,
-                num_kv_shared_layers=20, use_double_wide_mlp=True, layer_types=layer_types, sliding_window=512)
-    return {"model_type": "gemma4", "tie_word_embeddings": True, "text_config": text}
+    return {"model_type": "gemma4", "tie_word_embeddings": True, "text_config": dict(E2B_TEXT)}
 
 
 def test_fewer_kv_heads_than_ranks_are_copied_whole_and_counted_on_every_rank():

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.models.tiny_model import CHAT_TEMPLATE, TinyModelConfig, _generator, _init_tensor
+from pipeline.models.tiny_model import CHAT_TEMPLATE, TinyModelConfig, _generator, _init_tensor, unused_shared_kv_shapes
 
 TEXT_PREFIX = "model.language_model."
 SHARD_BYTES = 5 << 30  # the release's shards are about 5 GB
@@ -130,21 +130,6 @@ def release_shapes(config) -> dict[str, tuple[int, ...]]:
         model = Gemma4ForConditionalGeneration(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes.pop("lm_head.weight", None)  # tied to the token embedding, as in the release
-    return shapes
-
-
-def unused_shared_kv_shapes(text: dict) -> dict[str, tuple[int, ...]]:
-    """The K/V projections and key norm of each KV-shared layer, shaped as a producer's: what E2B's checkpoint holds
-    beyond transformers' model (which builds no such modules and skips them at load)."""
-    shapes = {}
-    layers, hidden = text["num_hidden_layers"], text["hidden_size"]
-    for index in range(layers - text["num_kv_shared_layers"], layers):
-        full = text["layer_types"][index] == "full_attention"
-        head_dim = text["global_head_dim"] if full and text.get("global_head_dim") else text["head_dim"]
-        width = text["num_key_value_heads"] * head_dim
-        pre = f"{TEXT_PREFIX}layers.{index}.self_attn."
-        shapes.update({pre + "k_proj.weight": (width, hidden), pre + "v_proj.weight": (width, hidden),
-                       pre + "k_norm.weight": (head_dim,)})
     return shapes
 
 
@@ -278,7 +263,7 @@ def write(out_dir: str | Path, layers: int | None = None, seed: int = 20261205, 
     text = text_config(layers, model)
     config = multimodal_config(text)
     cfg = TinyModelConfig(seed=seed, vocab_size=text["vocab_size"])
-    shapes = release_shapes(config) | (unused_shared_kv_shapes(text) if release.unused_shared_kv else {})
+    shapes = release_shapes(config) | (unused_shared_kv_shapes(text, TEXT_PREFIX) if release.unused_shared_kv else {})
     if release.shard_bytes is None:  # one file, no index, as the release has it
         total, shards = write_shard(out / "model.safetensors", dict(sorted(shapes.items())), cfg), [shapes]
     else:

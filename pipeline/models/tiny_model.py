@@ -145,21 +145,30 @@ def _init_tensor(name: str, shape: tuple[int, ...], cfg: TinyModelConfig):
     return cfg.weight_gain / fan_in**0.5 * torch.randn(shape, generator=gen)
 
 
-def _add_unused_shared_kv(weights: Path, config, cfg: TinyModelConfig) -> None:
-    """Add to ``weights`` the K/V projections and key norm of every KV-shared layer, shaped as a producer's would be."""
+def unused_shared_kv_shapes(text: dict, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The K/V projections and key norm of each KV-shared layer of the text config ``text`` (``hf_text_config``'s
+    keys), shaped as a producer's, under ``prefix``: what E2B's checkpoint holds beyond transformers' model (which
+    builds no such modules and skips them at load)."""
+    shapes = {}
+    layers, hidden = text["num_hidden_layers"], text["hidden_size"]
+    for index in range(layers - text["num_kv_shared_layers"], layers):
+        full = text["layer_types"][index] == "full_attention"
+        head_dim = text["global_head_dim"] if full and text.get("global_head_dim") else text["head_dim"]
+        width = text["num_key_value_heads"] * head_dim
+        pre = f"{prefix}layers.{index}.self_attn."
+        shapes.update({pre + "k_proj.weight": (width, hidden), pre + "v_proj.weight": (width, hidden),
+                       pre + "k_norm.weight": (head_dim,)})
+    return shapes
+
+
+def _add_unused_shared_kv(weights: Path, cfg: TinyModelConfig) -> None:
+    """Add to ``weights`` the K/V projections and key norm of every KV-shared layer (``unused_shared_kv_shapes``)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     state = load_file(weights)
-    hidden, kv_heads = cfg.hidden_size, cfg.num_key_value_heads
-    for index in range(cfg.num_hidden_layers - cfg.num_kv_shared_layers, cfg.num_hidden_layers):
-        full = config.layer_types[index] == "full_attention"
-        head_dim = cfg.global_head_dim if full and cfg.global_head_dim else cfg.head_dim
-        shapes = {"k_proj.weight": (kv_heads * head_dim, hidden), "v_proj.weight": (kv_heads * head_dim, hidden),
-                  "k_norm.weight": (head_dim,)}
-        for part, shape in shapes.items():
-            name = f"model.layers.{index}.self_attn.{part}"
-            state[name] = _init_tensor(name, shape, cfg).to(torch.float32)
+    for name, shape in unused_shared_kv_shapes(hf_text_config(cfg), "model.").items():
+        state[name] = _init_tensor(name, shape, cfg).to(torch.float32)
     save_file(state, weights, metadata={"format": "pt"})
 
 
@@ -212,7 +221,7 @@ def generate(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)
     if cfg.unused_shared_kv:
-        _add_unused_shared_kv(out_dir / "model.safetensors", config, cfg)
+        _add_unused_shared_kv(out_dir / "model.safetensors", cfg)
     GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, TURN_END_ID], pad_token_id=PAD_ID, do_sample=False,
     ).save_pretrained(out_dir)

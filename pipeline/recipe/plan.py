@@ -92,9 +92,9 @@ class ShardPlan:
 
     def rank_shape(self, name: str) -> tuple[int, ...]:
         shape = list(self.full_shape(name))
-        dim = self.split(name)
-        if self.copied_kv_layer(name) is not None:
-            shape[0] = self.copied_kv_layer(name).head_dim  # one whole head
+        dim, copied = self.split(name), self.copied_kv_layer(name)
+        if copied is not None:
+            shape[0] = copied.head_dim  # one whole head
         elif dim is not None:
             shape[dim] //= self.tp_degree
         return tuple(shape)

@@ -98,16 +98,22 @@ def target_problems(cfg: PipelineConfig, backend: str) -> list[str]:
     return found
 
 
+def known_as(hub_id: str | None, name: str) -> str:
+    """What tells one model's builds from another's: its Hub id, or its conf name where it has none (the generated
+    tiny model), so that a renamed conf of the same release is the same model."""
+    return hub_id or name
+
+
 def local_problems(cfg: PipelineConfig) -> list[str]:
     """``publish=local``: a folder holding another model's builds (what ``require_same_model`` refuses at publish),
     said before anything is built. Its working tree holds each variant's ``manifest.json`` at its head."""
     repo_dir = outliving_dvc(Paths.of(cfg).root / cfg.publish.local_dir)
-    ours = cfg.model.hub_id or cfg.model.name
+    ours = known_as(cfg.model.hub_id, cfg.model.name)
     theirs = set()
     for path in sorted(repo_dir.glob(f"*/{layout.MANIFEST}")):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # publish reads it strictly later
             model = json.loads(path.read_text())["model"]
-            theirs.add(model.get("hub_id") or model["name"])
+            theirs.add(known_as(model.get("hub_id"), model["name"]))
     if not theirs or theirs == {ours}:
         return []
     return [f"publish.local_dir {repo_dir} holds builds of {', '.join(sorted(theirs))}; this is a build of {ours}: "
@@ -125,13 +131,11 @@ def require_valid_tag(version: str) -> None:
 def require_same_model(manifest: Manifest, published: list[Manifest], repo_id: str) -> None:
     """One repository, one model: the card names it, a variant's folder holds one model's builds (``pull 512_bf16``
     never picks another model's), and the regression gate compares builds of one model. Checked before the gate."""
-    def named(m: Manifest) -> str:  # the Hub model, or (generated or local) the model conf's name
-        return m.model.hub_id or m.model.name
-
-    theirs = {named(m) for m in published}
-    if theirs and theirs != {named(manifest)}:
+    theirs = {known_as(m.model.hub_id, m.model.name) for m in published}
+    ours = known_as(manifest.model.hub_id, manifest.model.name)
+    if theirs and theirs != {ours}:
         raise PublishError(f"{repo_id} holds builds of {', '.join(sorted(theirs))}; {manifest.version} is a build of "
-                           f"{named(manifest)}: each model has its own repository (model.published_repo names it: "
+                           f"{ours}: each model has its own repository (model.published_repo names it: "
                            "publish.repo_id's default), so publish it to another publish.repo_id (publish=hub) or "
                            "publish.local_dir (publish=local). Nothing was published")
 
