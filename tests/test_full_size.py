@@ -93,11 +93,13 @@ def test_a_rank_that_cannot_fit_is_refused_before_a_byte_is_written(tmp_path, mo
 
 class _NxDModelLike(torch.nn.Module):
     """What ModelBuilder's traced model holds, in miniature: no weights among its parameters, every rank's weights in
-    ``nxd_model.weights`` (NxD v2.28.0 trace/spmd.py:167), which torch.jit.save writes with it."""
+    ``nxd_model.weights`` and its state in ``nxd_model.state`` (NxD v2.28.0 trace/spmd.py:166-168), which
+    torch.jit.save writes with it."""
 
     def __init__(self):
         super().__init__()
         self.weights = [{"w": torch.ones(256, 1024)}, {"w": torch.ones(256, 1024)}]  # typed by TorchScript from it
+        self.state = [{"kv": torch.zeros(128, 1024)}, {"kv": torch.zeros(128, 1024)}]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.weights[0]["w"].sum()
@@ -110,12 +112,12 @@ def test_the_room_for_a_modelbuilder_model_counts_the_weights_it_holds_outside_i
     import os
 
     from pipeline.backends import torchscript
-    from pipeline.backends.neuron_rank import nxd_weights
+    from pipeline.backends.neuron_rank import nxd_held_tensors
 
     traced = torch.nn.Module()
     traced.nxd_model = torch.jit.script(_NxDModelLike())
-    held = nxd_weights(traced)
-    assert len(held) == 2 and torchscript.archive_bytes(traced, held) == (2 << 20) + torchscript.SAVE_SLACK_BYTES
+    held = nxd_held_tensors(traced)
+    assert len(held) == 4 and torchscript.archive_bytes(traced, held) == (3 << 20) + torchscript.SAVE_SLACK_BYTES
     real = os.statvfs(tmp_path)
     room = torchscript.SAVE_SLACK_BYTES + (1 << 20)  # the slack fits, the weights do not
     fake = os.statvfs_result((real.f_bsize, 1, 0, 0, room, 0, 0, 0, 0, real.f_namemax))

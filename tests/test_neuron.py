@@ -561,6 +561,26 @@ def test_device_prefill_end_to_end_on_the_stand_in(neuron_checked):
     assert parity["mode"] == "exact" and parity["passed"] and parity["prompts"] == 3
 
 
+def test_model_pt_holds_every_ranks_weights_and_state_outside_its_graphs_and_the_room_check_counts_them(
+        fake_neuron, neuron_checked):
+    """Issue 51 (items 3 and 6b): as NxD's SPMD models, the stand-in's graphs take the weights and the KV state as
+    inputs and hold neither; ``nxd_model.weights`` and ``nxd_model.state`` (NxD v2.28.0 trace/spmd.py:166-168) are
+    what model.pt is made of, and the room check before saving it counts them (``nxd_held_tensors``)."""
+    import torch_neuronx  # noqa: F401 - the stand-in's ops, which the saved graphs call
+
+    from pipeline.backends import torchscript
+    from pipeline.backends.neuron_rank import nxd_held_tensors
+
+    out, root = neuron_checked
+    path = root / "gemma4_tiny" / "512_fp32" / "build" / "model.pt"
+    model = torch.jit.load(path)
+    size, held = path.stat().st_size, nxd_held_tensors(model)
+    in_graphs = torchscript.archive_bytes(model) - torchscript.SAVE_SLACK_BYTES
+    assert in_graphs < 0.01 * size, (in_graphs, size)  # the graphs: a few empty tensors
+    assert len(model.nxd_model.weights) == len(model.nxd_model.state) == 2  # one of each per rank
+    assert size <= torchscript.archive_bytes(model, held) < size + torchscript.SAVE_SLACK_BYTES
+
+
 def test_a_compile_cache_hit_records_the_same_flags_and_says_it_was_a_hit(tmp_path):
     """NxD compiles with use_cache=True: on a hit neuronx-cc writes no log, while NxD writes the NEFF it got back into
     the bucket's folder either way; the flags come from ModelBuilder's hook either way. compile_cache decides by the

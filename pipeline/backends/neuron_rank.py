@@ -366,16 +366,18 @@ def trace_device_prefill(job: NeuronJob) -> dict[str, str]:
     # weights, 9.4 GB at E4B's bf16), after checking the disk can hold it; the stage strips its debug records once
     # the work files are gone.
     with reporting_full_disk(path, "trace: saving the ModelBuilder model"):
-        save_torchscript(traced, path, strip=False, held=nxd_weights(traced))
+        save_torchscript(traced, path, strip=False, held=nxd_held_tensors(traced))
     return passed
 
 
-def nxd_weights(traced) -> list[torch.Tensor]:
-    """Every rank's weights as ModelBuilder's traced model holds them: not in its parameters (a few MiB) but in
-    ``nxd_model.weights``, one ``{checkpoint key: tensor}`` per rank (NxD v2.28.0 trace/spmd.py:167, filled by
-    ``initialize`` ~181-193 when traced with ``initialize_model_weights=True``), which ``torch.jit.save`` writes
-    into ``model.pt`` (about 9.4 GB at E4B's bf16)."""
-    return [tensor for rank in traced.nxd_model.weights for tensor in rank.values()]
+def nxd_held_tensors(traced) -> list[torch.Tensor]:
+    """What ModelBuilder's traced model holds outside its parameters (a few MiB), which ``torch.jit.save`` writes into
+    ``model.pt``: every rank's weights, ``nxd_model.weights`` (about 9.4 GB at E4B's bf16), and its state (the KV
+    caches), ``nxd_model.state``, one ``{name: tensor}`` per rank each (NxD v2.28.0 trace/spmd.py:166-168, filled
+    by ``initialize`` and ``initialize_with_saved_weights`` ~170-193, which a trace with
+    ``initialize_model_weights=True`` calls)."""
+    return [tensor for held in (traced.nxd_model.weights, traced.nxd_model.state)
+            for rank in held for tensor in rank.values()]
 
 
 def stop_with_parent() -> None:

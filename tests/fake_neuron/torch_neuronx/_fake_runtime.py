@@ -7,7 +7,9 @@ Registered when ``torch_neuronx`` is imported, as the real ops are (a file that 
   inside a ``parallel_model_trace`` rank process torch.distributed (gloo) is initialised and they are real
   collectives; while ModelBuilder traces ahead of time (``parallel_state`` in AOT mode, as the real one under
   ``mock_distributed``) they only produce the right shape; in a loaded model the ranks run as threads of one process
-  (the real ``TensorParallelNeuronModel`` runs them in a thread pool) and exchange through memory.
+  (the real ``TensorParallelNeuronModel`` runs them in a thread pool) and exchange through memory. ``rank`` is a
+  tensor: a constant in a per-rank graph, an input in ModelBuilder's SPMD graph (traced once for every rank, each
+  call given its rank, as NxD's ``SPMDRank`` holds each rank's number as a weight of that rank).
 - ``neuron::fake_claim_cores(model_id, start_rank, ranks)``: the runtime's core allocation. The real runtime gives a
   process every NeuronCore of the host unless ``NEURON_RT_VISIBLE_CORES`` names a subset, and a second process
   asking for cores in use fails (Neuron runtime configuration guide). Here a core is an ``flock`` on
@@ -30,8 +32,8 @@ from pathlib import Path
 import torch
 
 _LIB = torch.library.Library("neuron", "FRAGMENT")
-_LIB.define("fake_all_reduce(Tensor x, str group, int rank, int world) -> Tensor")
-_LIB.define("fake_all_gather(Tensor x, str group, int rank, int world) -> Tensor")
+_LIB.define("fake_all_reduce(Tensor x, str group, Tensor rank, int world) -> Tensor")
+_LIB.define("fake_all_gather(Tensor x, str group, Tensor rank, int world) -> Tensor")
 _LIB.define("fake_claim_cores(str model_id, int start_rank, int ranks) -> int")
 _LIB.define("fake_is_initialized(str model_id) -> bool")
 
@@ -80,7 +82,7 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _all_reduce(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: str, rank: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x.clone()
     if _in_aot():
@@ -91,14 +93,14 @@ def _all_reduce(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Ten
         out = x.clone()
         dist.all_reduce(out)
         return out
-    parts = _exchange(group, world).gather(x, rank)
+    parts = _exchange(group, world).gather(x, int(rank))
     total = parts[0].clone()
     for part in parts[1:]:
         total += part
     return total
 
 
-def _all_gather(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: str, rank: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x.clone()
     if _in_aot():
@@ -109,7 +111,7 @@ def _all_gather(x: torch.Tensor, group: str, rank: int, world: int) -> torch.Ten
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
-    return torch.cat(_exchange(group, world).gather(x, rank), dim=-1)
+    return torch.cat(_exchange(group, world).gather(x, int(rank)), dim=-1)
 
 
 # -- NeuronCores ---------------------------------------------------------------------------------------------------

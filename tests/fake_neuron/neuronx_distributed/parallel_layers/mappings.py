@@ -17,7 +17,7 @@ def reduce_from_tensor_model_parallel_region(input_, process_group: object | Non
     if world == 1:
         return input_
     return torch.ops.neuron.fake_all_reduce(input_, parallel_state._group_name(),
-                                            parallel_state.get_tensor_model_parallel_rank(), world)
+                                            parallel_state._collective_rank(), world)
 
 
 def gather_from_tensor_model_parallel_region(input_, process_group: object | None = None) -> torch.Tensor:
@@ -25,4 +25,4 @@ def gather_from_tensor_model_parallel_region(input_, process_group: object | Non
     if world == 1:
         return input_
     return torch.ops.neuron.fake_all_gather(input_, parallel_state._group_name(),
-                                            parallel_state.get_tensor_model_parallel_rank(), world)
+                                            parallel_state._collective_rank(), world)

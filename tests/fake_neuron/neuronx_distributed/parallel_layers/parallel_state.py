@@ -2,8 +2,11 @@
 stand-in's layers use, with the signatures of NxD v2.28.0 parallel_layers/parallel_state.py).
 
 The tensor-parallel world is set by ``initialize_model_parallel`` (inside a ``parallel_model_trace`` rank process,
-after torch.distributed is initialised: the rank is torch.distributed's) or, while ModelBuilder traces each rank
-ahead of time, by ``_set_aot_rank`` (the real ModelBuilder traces under ``mock_distributed`` in AOT mode).
+after torch.distributed is initialised: the rank is torch.distributed's) or, while ModelBuilder builds and traces its
+modules ahead of time, by ``_set_aot_rank``: rank 0 of the world, as the real ModelBuilder builds every module under
+``mock_distributed`` after ``init_process_group(backend, rank=0, world_size=...)`` (NxD v2.28.0 model_builder.py
+~551-556, ~813-816; trace/mock_torchdist.py ``get_rank`` returns that 0). Its one graph is every rank's (SPMD): what a
+module reads of the rank while it is built is 0 on every core, and its collectives name no rank (``_collective_rank``).
 """
 
 import threading
@@ -43,7 +46,7 @@ def destroy_model_parallel():
 
 
 def _set_aot_rank(rank, world, group):
-    """The stand-in ModelBuilder's per-rank trace context (rank None leaves it)."""
+    """The stand-in ModelBuilder's trace context (rank None leaves it)."""
     _aot.rank, _aot.world, _aot.group = rank, world, group
 
 
@@ -64,6 +67,21 @@ def get_tensor_model_parallel_rank() -> int:
     if getattr(_aot, "rank", None) is not None:
         return _aot.rank
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _collective_rank() -> torch.Tensor:
+    """The rank a collective is traced with: in an SPMD graph, the graph's rank input (each call's own rank), else
+    the process's, a constant."""
+    if getattr(_aot, "rank", None) is not None:
+        if getattr(_aot, "rank_input", None) is None:
+            raise RuntimeError("a collective traced outside an SPMD graph's call")
+        return _aot.rank_input
+    return torch.tensor(get_tensor_model_parallel_rank())
+
+
+def _set_rank_input(rank_input):
+    """The stand-in SPMD graph's rank input while it is traced (None after)."""
+    _aot.rank_input = rank_input
 
 
 def get_tensor_model_parallel_group(as_list: bool = False):

@@ -10,17 +10,20 @@ What it does as the real one does (line numbers at v2.28.0):
 - ``trace`` deletes ``compiler_workdir`` first (~545), gives each graph's final flags to ``compiler_flag_hook`` (~724,
   on a cache hit too) and compiles it through the compile cache, always on (``_fake_runtime.compile_cached``: a hit
   runs no compiler and writes no log; a miss runs it in the current directory, which must still exist, its log under
-  ``<workdir>/<key>/_tp0_bk0/`` with the ``--logfile`` the real one adds, ~720), writes every rank's slice of the
-  checkpoint (cut along each parallel weight's ``partition_dim``) into
-  ``<workdir>/tp{rank}_sharded_checkpoint.safetensors`` and loads it back from there (``initialize_model_weights``,
-  ~764-773, ~984), builds every key's module from its instance (``load_module()`` then ``get(0)``) and traces each rank
-  ahead of time in this process (collectives only produce shapes, as under ``mock_distributed``). The weights are the
-  module's ``state_dict()`` keys but its states: parameters and persistent buffers alike (NxD trims the checkpoint to
-  ``model.state_dict()`` keys, trace/trace.py ~628-644, and torch-neuronx's closed ``generate_hlo`` decides whether a
-  read-only buffer is a weight input or a constant: the stand-in takes the stricter reading, a weight the checkpoint
-  must hold, ``KeyError`` when it lacks one); aliased parameters (the state) start at zero (``StateInitializer``).
-- Every key shares one weight set and one state (the keys' modules must have the same parameters); calls are routed
-  by the list of input shapes, a miss is a TorchScript ``ValueError`` (``spmd.py`` ~216); the model must be
+  ``<workdir>/<key>/_tp0_bk0/`` with the ``--logfile`` the real one adds, ~720), builds every key's module from its
+  instance (``load_module()`` then ``get(0)``) as rank 0 of the world (the real one builds under ``mock_distributed``
+  after ``init_process_group(rank=0)``, ~551-556) and traces it once: the SPMD graph every rank runs, taking that
+  rank's weights, state and rank as inputs and holding none of them (collectives only produce shapes while it is
+  traced). With ``initialize_model_weights`` it writes every rank's slice of the checkpoint (cut along each parallel
+  weight's ``partition_dim``, its parameters cast to the module's dtypes, ``cast_weights`` ~786-800) into
+  ``<workdir>/tp{rank}_sharded_checkpoint.safetensors`` and gives them, loaded back, to ``nxd_model.initialize``
+  (~764-781, ~984); without it the checkpoint loader is never called. The weights are the module's ``state_dict()``
+  keys but its states: parameters and persistent buffers alike (NxD trims the checkpoint to ``model.state_dict()``
+  keys, trace/trace.py ~628-644, and torch-neuronx's closed ``generate_hlo`` decides whether a read-only buffer is a
+  weight input or a constant: the stand-in takes the stricter reading, a weight the checkpoint must hold, refused at
+  initialisation when it lacks one); the state (aliased parameters) starts at zero (``StateInitializer``).
+- Every key shares one weight set and one state (the keys' modules must have the same weights and state); calls are
+  routed by the list of input shapes, a miss is a TorchScript ``ValueError`` (``spmd.py`` ~216); the model must be
   initialised (``initialize_with_saved_weights``) in the process that runs it, which takes the NeuronCores;
   ``trace(initialize_model_weights=True)`` does so itself (~776-781).
 - The returned executor is TorchScript that calls ``torch.ops.neuron`` ops: loading it saved needs ``torch_neuronx``
@@ -42,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch_neuronx import _fake_runtime
 
 from neuronx_distributed.parallel_layers import parallel_state
-from neuronx_distributed.trace.spmd import NxDModel, StateGraph, executor, rank_graphs
+from neuronx_distributed.trace.spmd import NxDModel, SpmdGraph, executor, spmd_graphs
 
 logger = logging.getLogger("Neuron")
 LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"
@@ -192,96 +195,80 @@ class ModelBuilder:
         # the process abort at exit under load: "terminate called without an active exception").
         for job in jobs:
             _fake_runtime.compile_cached(*job)
-        # ~764-773: with initialize_model_weights, each rank's slice of the checkpoint is written into the workdir
-        # root (shard_checkpoint -> tp{rank}_sharded_checkpoint.safetensors, ~984) and read back from there. Without
-        # it the real trace never calls the loader; the stand-in, which traces real numbers, calls it here.
-        if initialize_model_weights:
-            checkpoint = self._shard_checkpoint()
-            shards = [load_file(os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
-                      for rank in range(self.tp_degree)]
-        else:
-            checkpoint, shards = self.checkpoint_loader(), [None] * self.tp_degree
-        traced_ranks = [self._trace_rank(rank, model_id, checkpoint, shards[rank]) for rank in range(self.tp_degree)]
-        ranks = [graphs for graphs, _ in traced_ranks]
+        graphs = self._trace_graphs(model_id)
         shapes, dtypes = {}, {}  # per route (the list of input shapes): its key, and its inputs' dtypes
         for key, container in self.model_collection.items():
             inputs = container.example_inputs[0]
             route = str([list(t.shape) for t in inputs])
             shapes[route], dtypes[route] = (key, 0), [torch.empty(0, dtype=t.dtype) for t in inputs]
-            module, aliases = container.model_instance.get(0)  # ~753-758: every bucket's, compiled or cached
-            _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb", inputs, module, aliases)
         # ~1064-1069, ~1091: the executor is traced with the last key's example inputs, so it takes that many
-        last_inputs = len(inputs)
-        nxd_model = NxDModel(torch.nn.ModuleList(ranks), shapes, model_id, self.tp_degree, dtypes)
-        if initialize_model_weights:  # initialize() (~767-781): each rank's sharded checkpoint, as loaded
-            nxd_model.weights = [weights for _, weights in traced_ranks]
-        traced = torch.jit.script(executor(torch.jit.script(nxd_model), last_inputs))
-        if initialize_model_weights:
+        nxd_model = NxDModel(graphs, shapes, model_id, self.tp_degree, dtypes)
+        traced = torch.jit.script(executor(torch.jit.script(nxd_model), len(inputs)))
+        if initialize_model_weights:  # ~764-781: each rank's slice written, loaded back, and given to initialize()
+            self._shard_checkpoint()
+            weights = [load_file(os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
+                       for rank in range(self.tp_degree)]
+            traced.nxd_model.initialize(weights, torch.tensor([0], dtype=torch.int32))
             traced.nxd_model.initialize_with_saved_weights(torch.tensor(0))
         return traced
 
     def _shard_checkpoint(self):
         """``shard_checkpoint(serialize_path)`` (~802-843): the first key's module built and the checkpoint loaded
         under ``init_on_device(meta)`` (the module's parameters on the meta device; ~813-833, where the real one also
-        mocks torch.distributed), then every rank's parameters cut as ``_load_weights`` cuts them, in
-        ``tp{rank}_sharded_checkpoint.safetensors`` (NxD's own file names). Returns the checkpoint."""
+        mocks torch.distributed), the checkpoint's parameters cast to the module's dtypes (``cast_weights``,
+        ~786-800: parameters only), then every rank's weights cut as the layers are (equal contiguous chunks along
+        ``partition_dim``), in ``tp{rank}_sharded_checkpoint.safetensors`` (NxD's own file names). A weight the
+        checkpoint lacks is skipped without a word (trace.py shard_children ~773-774); initialising is what fails."""
         instance = next(iter(self.model_collection.values())).model_instance
-        with _parameters_on_meta():
-            instance.load_module()
-            module, aliases = instance.get(0)
-            checkpoint = self.checkpoint_loader()
+        parallel_state._set_aot_rank(0, self.tp_degree, None)
+        try:
+            with _parameters_on_meta():
+                instance.load_module()
+                module, aliases = instance.get(0)
+                checkpoint = self.checkpoint_loader()
+        finally:
+            parallel_state._set_aot_rank(None, None, None)
+        dtypes = dict(module.named_parameters())
         for rank in range(self.tp_degree):
-            # a weight the checkpoint lacks is skipped without a word (trace.py shard_children ~773-774); loading
-            # it is what fails (_load_weights)
-            sliced = {name: _slice(checkpoint, name, tensor, rank, self.tp_degree).contiguous()
-                      for name, tensor in _weights(module, aliases) if name in checkpoint}
+            sliced = {name: _slice(checkpoint, name, tensor, rank, self.tp_degree).to(
+                dtypes[name].dtype if name in dtypes else checkpoint[name].dtype).contiguous()
+                for name, tensor in _weights(module, aliases) if name in checkpoint}
             save_file(sliced, os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
-        return checkpoint
 
-    def _trace_rank(self, rank, model_id, checkpoint, shard):
-        """Every key's graph of one rank, over one weight set and one state (its weights from its sharded
-        checkpoint file when there is one); and that weight set by name."""
-        parallel_state._set_aot_rank(rank, self.tp_degree, model_id)
+    def _trace_graphs(self, model_id):
+        """Every key's graph, traced once for every rank (SPMD) from its own module (``load_module()`` then
+        ``get(0)``, ~832-884), built as rank 0 of the world (``mock_distributed``: parallel_state); each takes the
+        rank's weights and state as inputs, so that the graphs hold neither. Writes each bucket's metaneff."""
+        parallel_state._set_aot_rank(0, self.tp_degree, model_id)
         _fake_runtime.set_aot(True)
         try:
-            graphs, owner = {}, None
+            graphs, first = {}, None
             for key, container in self.model_collection.items():
-                instance, example = container.model_instance, container.example_inputs
+                instance, example = container.model_instance, container.example_inputs[0]
                 instance.load_module()
-                module, aliases = instance.get(0)  # each key's own module is traced (~832-884)
-                graph = StateGraph(module, aliases, return_aliased=False)
-                if owner is None:
-                    owner = graph
-                    self._load_weights(owner, checkpoint if shard is None else shard, rank, sliced=shard is not None)
-                elif _layout(module, aliases) != _layout(owner.model, dict(zip(owner.states, owner.indices))):
+                module, aliases = instance.get(0)
+                _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb", example, module,
+                                aliases)
+                weights, state = dict(_weights(module, aliases)), _states(module, aliases)
+                if first is None:
+                    first = (_layout(weights), _layout(state))
+                elif (_layout(weights), _layout(state)) != first:
                     raise ValueError(f"key {key!r}: the models of one ModelBuilder must share their weights and state")
-                else:
-                    _share(graph, owner)
+                graph = SpmdGraph(module, aliases, list(weights), list(state))
+                _empty(module, [*weights, *state])  # the traced graph keeps the module: it holds no weight
                 with torch.no_grad():
-                    graphs[key] = torch.jit.trace(graph, tuple(example[0]), check_trace=False)
-            with torch.no_grad():
-                for state in owner.states:
-                    state.zero_()  # tracing ran the examples through the state; StateInitializer starts at zero
+                    for tensor in [*weights.values(), *state.values()]:
+                        tensor.zero_()  # the example values: the graph is traced without the checkpoint
+                    bound = [*weights.values(), *state.values(), torch.tensor(0)]
+                    graphs[key] = torch.jit.trace(graph, (*example, bound), check_trace=False)
             counts = {len(c.example_inputs[0]) for c in self.model_collection.values()}
-            if len(counts) != 1:  # each rank's graphs are called through one executor of one arity (see above)
+            if len(counts) != 1:  # the graphs are called through one executor of one arity (see above)
                 raise TypeError(f"the keys' example inputs have {sorted(counts)} tensors: the traced executor takes "
                                 "the last key's count")
-            return torch.jit.script(rank_graphs(graphs, counts.pop())), dict(_weights(owner.model, owner.states))
+            return torch.jit.script(spmd_graphs(graphs, weights, state, counts.pop()))
         finally:
             _fake_runtime.set_aot(False)
             parallel_state._set_aot_rank(None, None, None)
-
-    def _load_weights(self, graph, checkpoint, rank, sliced=False):
-        """Every weight (``_weights``): each parallel weight's rank slice (equal contiguous chunks along
-        ``partition_dim``), others whole (``sliced``: ``checkpoint`` is the rank's own sharded file)."""
-        with torch.no_grad():
-            for name, param in _weights(graph.model, graph.states):
-                if name not in checkpoint:
-                    raise KeyError(f"checkpoint has no weight {name}")
-                part = checkpoint[name] if sliced else _slice(checkpoint, name, param, rank, self.tp_degree)
-                if tuple(part.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}: checkpoint slice {list(part.shape)}, model {list(param.shape)}")
-                param.copy_(part.to(param.dtype))
 
 
 @contextlib.contextmanager
@@ -373,16 +360,20 @@ def _slice(checkpoint, name, param, rank, tp_degree):
     return full if dim is None else torch.split(full, full.shape[dim] // tp_degree, dim)[rank]
 
 
-def _share(graph, owner):
-    """Bind every weight and state tensor of ``graph`` to ``owner``'s of the same name: one weight set and one state
-    for every key, as the runtime binds every bucket's graph to the same buffers (``initialize_spmd_models(self.state,
-    self.weights, ...)`` over every bucket model, spmd.py ~177-191)."""
-    mine = dict(graph.named_parameters()) | dict(graph.named_buffers())
-    theirs = dict(owner.named_parameters()) | dict(owner.named_buffers())
-    for name, tensor in mine.items():
-        tensor.data = theirs[name].data
+def _states(module, aliases) -> dict[str, torch.Tensor]:
+    """The aliased parameters by name, in the alias dict's insertion order (torch-neuronx's)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: p for p in aliases}
 
 
-def _layout(module, aliases):
-    index = {id(p): i for p, i in aliases.items()}
-    return [(name, tuple(p.shape), p.dtype, index.get(id(p))) for name, p in module.named_parameters()]
+def _layout(tensors: dict[str, torch.Tensor]):
+    return [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+
+
+def _empty(module, names):
+    """Each named parameter or buffer of ``module`` replaced by an empty tensor of its dtype."""
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        table[attr] = torch.empty(0, dtype=table[attr].dtype)
