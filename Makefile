@@ -42,7 +42,7 @@ XDIST = -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 .PHONY: demo test test-full test-slow test-rehearsal rehearse-e4b rehearse-e2b test-production check-base-lock test-xla test-lowest \
 	test-cluster slurm-packages \
 	constraints lock lint dvc-demo clean-artifacts container-packages container-base container-images \
-	test-container
+	test-container test-loadtools
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,40 @@ PYTEST_ARGS ?=
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+
+# The tools users point at an OpenAI endpoint, each in its own environment (their dependencies are theirs): lm-eval
+# with the pipeline (the [eval] extra: python -m pipeline eval), guidellm and aiperf at the versions tested here.
+# make test-loadtools runs tests/test_loadtools.py against serve of the tiny build.
+VENV_EVAL ?= .venv-eval
+VENV_GUIDELLM ?= .venv-guidellm
+VENV_AIPERF ?= .venv-aiperf
+GUIDELLM_SPEC := guidellm==0.8.1
+AIPERF_SPEC := aiperf==0.13.0
+
+$(VENV_EVAL)/.installed: pyproject.toml constraints.txt
+	rm -rf $(VENV_EVAL)
+	$(PYTHON) -m venv $(VENV_EVAL)
+	$(VENV_EVAL)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_EVAL)/bin/python -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(VENV_EVAL)/bin/python -m pip install --quiet -e '.[dev,eval]' -c constraints.txt
+	touch $@
+
+# torch is named with each tool (they pull it in): a looser requirement takes a multi-GB CUDA build
+$(VENV_GUIDELLM)/.installed:
+	rm -rf $(VENV_GUIDELLM)
+	$(PYTHON) -m venv $(VENV_GUIDELLM)
+	$(VENV_GUIDELLM)/bin/python -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)" "$(GUIDELLM_SPEC)"
+	touch $@
+
+$(VENV_AIPERF)/.installed:
+	rm -rf $(VENV_AIPERF)
+	$(PYTHON) -m venv $(VENV_AIPERF)
+	$(VENV_AIPERF)/bin/python -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)" "$(AIPERF_SPEC)"
+	touch $@
+
+test-loadtools: $(VENV_EVAL)/.installed $(VENV_GUIDELLM)/.installed $(VENV_AIPERF)/.installed
+	GUIDELLM=$(CURDIR)/$(VENV_GUIDELLM)/bin/guidellm AIPERF=$(CURDIR)/$(VENV_AIPERF)/bin/aiperf \
+		$(VENV_EVAL)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m loadtools tests/test_loadtools.py
 
 # The two version environments are byte-compiled at install (pip's default), though .ci/run installs them beside the
 # tests: with --no-compile (tried) an environment that sets PYTHONDONTWRITEBYTECODE=1, as these machines' shells do,

@@ -18,7 +18,13 @@ Goals (issue 48): at 8 clients batch 4 gives at least 3x
 batch 1's aggregate on the tiny model; at E4B's widths at least transformers' batched generate; p50 inter-token
 latency at batch 4 at most 1.5x batch 1's on the tiny model.
 
+The hand-written client checked against a load tool (``--aiperf PATH``, aiperf's executable: make test-loadtools
+builds .venv-aiperf): with every build's figures taken, aiperf drives the batch-4 build at the most clients with the
+same concurrency, request count and output length, and both clients' aggregate tokens/s, first token and inter-token
+p50 are printed side by side, as a ratio. Both ask for fixed output lengths (``ignore_eos``).
+
     python bench/serve_batching.py [--e4b-layers 6] [--variant 512_bf16] [--tokens 64] [--requests 3] [--batches 1,4]
+                                   [--aiperf .venv-aiperf/bin/aiperf]
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def prompt(i: int) -> str:
 def stream(url: str, version: str, text: str, tokens: int) -> tuple[float, list[float]]:
     """One streamed completion: ``(sent, [arrival of each token])`` by this client's clock."""
     body = json.dumps({"model": version, "prompt": text, "max_tokens": tokens, "stream": True,
-                       "stop_token_ids": []}).encode()
+                       "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     sent, arrivals = time.perf_counter(), []
     with urllib.request.urlopen(req, timeout=900) as response:
@@ -112,14 +118,36 @@ def serve(rank_dir: Path, weights: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, url, version
 
 
-def measure_build(rank_dir: Path, weights: Path, requests: int, tokens: int) -> dict[int, dict]:
+def measure_build(rank_dir: Path, weights: Path, requests: int, tokens: int, aiperf: str | None = None
+                  ) -> dict[int, dict]:
+    """Each client count's figures (``drive``); with ``aiperf``, also aiperf's at the most clients (key "aiperf")."""
     proc, url, version = serve(rank_dir, weights)
     try:
         drive(url, version, BATCH, 1, tokens)  # warm-up: every line's first use
-        return {c: drive(url, version, c, requests, tokens) for c in CLIENTS}
+        figures = {c: drive(url, version, c, requests, tokens) for c in CLIENTS}
+        if aiperf:
+            figures["aiperf"] = aiperf_run(aiperf, url, version, weights, max(CLIENTS), requests, tokens)
+        return figures
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+
+
+def aiperf_run(aiperf: str, url: str, version: str, weights: Path, clients: int, requests: int, tokens: int) -> dict:
+    """aiperf's streamed completions profile: ``clients`` at once, ``clients * requests`` requests of ``tokens`` new
+    tokens each, prompts of about this benchmark's length (12 tokens); its aggregate output tokens/s and p50s."""
+    with tempfile.TemporaryDirectory(prefix="gemma4-bench-aiperf-") as art:
+        subprocess.run([aiperf, "profile", "--model", version, "--url", url, "--endpoint-type", "completions",
+                        "--streaming", "--concurrency", str(clients), "--request-count", str(clients * requests),
+                        "--isl", "12", "--osl", str(tokens), "--tokenizer", str(weights), "--artifact-dir", art,
+                        "--extra-inputs", "ignore_eos:true", "--use-server-token-count"],
+                       check=True, capture_output=True, text=True,
+                       # aiperf 0.13 in offline mode looks a tokenizer up as a Hub repository only, never a folder
+                       env={k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")})
+        said = json.loads((Path(art) / "profile_export_aiperf.json").read_text())
+    return {"aggregate": said["output_token_throughput"]["avg"], "ttft_p50": said["time_to_first_token"]["p50"] / 1e3,
+            "itl_p50": said["inter_token_latency"]["p50"] / 1e3,
+            "tokens": said["output_sequence_length"]["sum"]}
 
 
 BASELINE = r"""
@@ -155,6 +183,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3, help="requests each client sends in turn")
     parser.add_argument("--batches", default="1,4", help="the builds' batch sizes (1 and 4 at least)")
+    parser.add_argument("--aiperf", help="aiperf's executable: check this client against it on the batch-4 build")
     args = parser.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")} | {1, BATCH})
     work = Path(tempfile.mkdtemp(prefix="gemma4-bench-batching-"))
@@ -166,7 +195,9 @@ def main() -> None:
             started = time.monotonic()
             built[batch] = build(work / f"artifacts-{batch}", variant, checkpoint)
             print(f"built {variant} in {time.monotonic() - started:.0f} s", flush=True)
-        figures = {batch: measure_build(*built[batch], args.requests, args.tokens) for batch in built}
+        figures = {batch: measure_build(*built[batch], args.requests, args.tokens,
+                                        args.aiperf if batch == BATCH else None) for batch in built}
+        checked = figures[BATCH].pop("aiperf", None)
         dtype = "bfloat16" if "bf16" in args.variant else "float32"
         baseline = transformers_generate(built[1][1], dtype, args.tokens, max(CLIENTS))
         alike = {b: transformers_generate(built[1][1], dtype, args.tokens, b) for b in batches if 1 < b < max(CLIENTS)}
@@ -196,8 +227,14 @@ def main() -> None:
           f"{four['aggregate'] / baseline['aggregate']:.2f}  (goal at E4B widths >= 1)")
     print(f"ratio itl p50 batch {BATCH} / batch 1 at {max(CLIENTS)} clients: "
           f"{four['itl_p50'] / one['itl_p50']:.2f}  (goal on the tiny model <= 1.5)")
+    if checked:
+        ours = figures[BATCH][max(CLIENTS)]
+        print(f"aiperf at {max(CLIENTS)} clients, batch {BATCH}: {checked['aggregate']:.1f} tok/s, ttft p50 "
+              f"{1e3 * checked['ttft_p50']:.1f} ms, itl p50 {1e3 * checked['itl_p50']:.1f} ms; ratio this client / "
+              f"aiperf: aggregate {ours['aggregate'] / checked['aggregate']:.2f}, ttft p50 "
+              f"{ours['ttft_p50'] / checked['ttft_p50']:.2f}, itl p50 {ours['itl_p50'] / checked['itl_p50']:.2f}")
     print(json.dumps({"figures": {str(b): {str(c): f for c, f in rows.items()} for b, rows in figures.items()},
-                      "transformers": baseline, "transformers_alike": alike}))
+                      "transformers": baseline, "transformers_alike": alike, "aiperf": checked}))
 
 
 if __name__ == "__main__":

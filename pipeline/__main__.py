@@ -57,6 +57,8 @@ SUBCOMMANDS = {  # name: (its module under pipeline/cli/, imported only when it 
     "pull": ("pull", "fetch a published version (or a variant's newest that fits this host), verify it, unpack it"),
     "generate": ("generate", "run a pulled or built version on a prompt (greedy), with its timing"),
     "serve": ("serve", "serve a published version over HTTP (OpenAI-compatible routes, /generate, /health, /metrics)"),
+    "eval": ("eval", "score a published version on lm-eval's tasks through serve, beside its checkpoint's fp32 "
+                     "reference"),
     "schedule": ("schedule", "build many variants at once, as memory and NeuronCores allow"),
     "check-upgrades": ("upgrades", "is a newer Neuron SDK release on the Neuron repository? (--apply: install it, "
                                    "then rebuild)"),

@@ -25,6 +25,7 @@ LAYERS = (
     ("decoding",),
     ("validation",),
     ("serving",),
+    ("evaluation",),
     ("publishing",),
     ("stages",),
     ("run", "summary"),

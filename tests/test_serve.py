@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 VARIANT = "512_fp32"
 QUESTION = "What is the capital of France?"
 STARTUP_S = 180
+SERVED_NAME = "gemma-4-tiny"  # serve --served-model-name, beside the version
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -128,7 +129,7 @@ def metric(srv: Server, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(published, tmp_path_factory):
-    srv = Server(published, tmp_path_factory.mktemp("dest"))
+    srv = Server(published, tmp_path_factory.mktemp("dest"), "--served-model-name", SERVED_NAME)
     srv.wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
@@ -157,7 +158,7 @@ def greedy_reference(weights: Path, ids: list[int], new_tokens: int) -> str:
 
 def test_the_openai_client_gets_generates_text_and_the_references(server, client, published, tmp_path):
     folder, weights, version = published
-    assert [m.id for m in client.models.list().data] == [version]
+    assert [m.id for m in client.models.list().data] == [SERVED_NAME, version]
     messages = [{"role": "user", "content": QUESTION}]
     chat = client.chat.completions.create(model=version, messages=messages, max_tokens=12)
     text = chat.choices[0].message.content
@@ -197,6 +198,91 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
     assert "".join(c.choices[0].text for c in streamed) == text[:text.index(stop)]
 
 
+def prompt_logprobs(weights: Path, ids: list[int], every: bool = False) -> list[float]:
+    """transformers' float model's log-probability of each token of ``ids`` after the first (``every``: of every
+    token of the vocabulary after the whole of ``ids``)."""
+    from transformers import Gemma4ForCausalLM
+
+    model = Gemma4ForCausalLM.from_pretrained(weights, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    if every:
+        return torch.log_softmax(logits[-1], -1).tolist()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1).tolist()
+
+
+def test_token_id_prompts_and_echo_with_the_prompts_logprobs_as_lm_eval_asks(server, client, published):
+    """Issue 53: a prompt as token ids is the same prompt as its text; ``echo`` gives the prompt back, and with
+    ``logprobs`` each prompt token's log-probability (the first null), what lm-eval's loglikelihood tasks read
+    (``max_tokens`` 1, ``logprobs`` 1, ``echo``, token ids); ``max_tokens`` 0 scores the prompt alone."""
+    _, weights, _ = published
+    prompt = "The capital of France is"
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    by_text = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=6)
+    by_ids = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=6)
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.model == SERVED_NAME
+    two = client.completions.create(model=server.version, prompt=[ids, ids[:3]], max_tokens=2)
+    assert len(two.choices) == 2 and two.usage.prompt_tokens == len(ids) + 3
+    scored = client.completions.create(model=server.version, prompt=[ids], max_tokens=1, logprobs=1, echo=True,
+                                       temperature=0, seed=1234)
+    choice = scored.choices[0]
+    assert choice.text.startswith(server.post("/detokenize", {"tokens": ids}).json()["prompt"])
+    logprobs = choice.logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    expected = prompt_logprobs(weights, ids)
+    assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-3)  # the fp32 build against fp32
+    alone = client.completions.create(model=server.version, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
+    streamed = list(client.completions.create(model=server.version, prompt=prompt, max_tokens=3, echo=True,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt + client.completions.create(
+        model=server.version, prompt=prompt, max_tokens=3).choices[0].text
+
+
+def test_load_tools_fields_fix_output_lengths_and_count_tokens_on_every_chunk(server, client, published):
+    """vLLM's fields that guidellm, aiperf and the like send: ``ignore_eos`` and ``min_tokens`` (no end before that
+    many tokens: end-of-sequence and stop tokens held off, stop strings not looked for), and
+    ``stream_options.continuous_usage_stats`` (the usage so far on every chunk)."""
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=server.version, prompt=prompt, max_tokens=1)
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    first = [int(torch.tensor(prompt_logprobs(published[1], ids, every=True)).argmax())]  # transformers' greedy token
+    stopped = client.completions.create(model=server.version, prompt=prompt, max_tokens=8,
+                                        extra_body={"stop_token_ids": first[:1]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 1
+    held = client.completions.create(model=server.version, prompt=prompt, max_tokens=8,
+                                     extra_body={"stop_token_ids": first[:1], "min_tokens": 3, "ignore_eos": True})
+    assert held.usage.completion_tokens >= 3 and not held.choices[0].text.startswith(greedy.choices[0].text)
+    fixed = client.completions.create(model=server.version, prompt=prompt, max_tokens=40,
+                                      extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 40 and fixed.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model=server.version, messages=[{"role": "user", "content": QUESTION}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts)
+    assert all(c.usage.prompt_tokens == 26 for c in chunks)
+
+
+def test_tokenizer_routes_answer_as_vllms(server):
+    """``/tokenize`` (a text as a completion prompt is tokenized, or messages as a chat's), ``/detokenize`` and
+    ``/tokenizer_info`` (what lm-eval's remote tokenizer reads instead of fetching one from the Hub)."""
+    said = server.post("/tokenize", {"prompt": "Paris", "return_token_strs": True}).json()
+    assert said["count"] == len(said["tokens"]) == len(said["token_strs"]) and said["max_model_len"] == 512
+    bare = server.post("/tokenize", {"prompt": "Paris", "add_special_tokens": False}).json()
+    assert said["tokens"][-len(bare["tokens"]):] == bare["tokens"]  # the tokenizer's own special tokens, if any, first
+    framed = server.post("/tokenize", {"prompt": "<bos>Paris", "add_special_tokens": False}).json()["tokens"]
+    assert framed == [2, *bare["tokens"]]  # a special token written in the text is read as itself
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": QUESTION}]}).json()
+    assert chat["count"] == 26  # as the chat request's prompt_tokens
+    assert server.post("/detokenize", {"tokens": bare["tokens"]}).json() == {"prompt": "Paris"}
+    info = server.get("/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == 512
+
+
 @pytest.mark.parametrize("route, body, status, param, said", [
     ("/v1/chat/completions", "{not json", 400, None, "not valid JSON"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model", "model is required"),
@@ -207,7 +293,13 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400,
      "n", "less than or equal to 16"),
     # What the server takes by name but cannot honour: one sentence naming the field and the alternative.
-    ("/v1/completions", {"model": "VERSION", "prompt": "a", "echo": True}, 400, "echo", "echo is not supported"),
+    ("/v1/completions", {"model": "VERSION", "prompt": [5, 10**6]}, 400, "prompt", "token ids [1000000] this model"),
+    ("/v1/completions", {"model": "VERSION", "prompt": [[5], []]}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens",
+     "min_tokens 4 is more than max_tokens 3"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt",
+     "give prompt (a text) or messages"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens", "this model does not have"),
     ("/v1/completions", {"model": "VERSION", "prompt": "a", "best_of": 3}, 400, "best_of",
      "ask for n choices with logprobs instead"),
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "user", "content": "hi"}],
@@ -235,7 +327,8 @@ def test_a_stop_string_ends_the_text_before_it(server, client):
     ("/v1/chat/completions", {"model": "VERSION", "messages": [{"role": "robot", "content": "hi"}]}, 400,
      "messages.0.role", "messages.0.role"),
     ("/v1/completions", {"model": "VERSION", "prompt": ["a"] * 17}, 400, "prompt", "at most 16 per request"),
-    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ("/v1/completions", {"model": "VERSION", "prompt": "a", "max_tokens": 0}, 400, "max_tokens",
+     "max_tokens 0 asks for nothing unless echo is true"),
     ("/generate", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
     # A boolean is no number (it was taken as one token), a string or a float no integer.
     ("/generate", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "valid integer (got True)"),

@@ -63,6 +63,9 @@ class RegressionResult:
     passed: bool
     allowed: bool
     """Regressed, and published anyway by ``publish.allow_regression=true``."""
+    same_weights: bool = True
+    """Whether both builds are of the same checkpoint (``model.weights_digest``): only then does the comparison gate
+    the publish (parity figures are each build's against its own reference); else it is recorded only."""
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,9 @@ def arguments() -> argparse.ArgumentParser:
                         help="seconds the running requests may take to finish after SIGTERM; past it they are "
                              f"cancelled and the server exits (default {DEFAULT_SHUTDOWN_GRACE_S:g}, under "
                              "Kubernetes' 30 s kill)")
+    parser.add_argument("--served-model-name", dest="served_names", nargs="+", default=[], metavar="NAME",
+                        help="names requests may give as model, listed first by /v1/models (vLLM's option); the "
+                             "version is always accepted too")
     parser.add_argument("--text-prefix", help="override the decoder's tensor prefix in the checkpoint")
     add_decode_threads(parser)
     return parser
@@ -230,6 +233,8 @@ def main(argv: list[str]) -> int:
                              f"--body-timeout {args.body_timeout:g} --shutdown-grace {args.shutdown_grace_s:g}: allow "
                              "at least 8 connections (health probes and the queue need room) and times of more than "
                              "0 seconds")
+        if any(not name.strip() for name in args.served_names):
+            raise InputError("--served-model-name: a name needs at least one character other than spaces")
         if args.max_request_bytes < 1024:
             raise InputError(f"--max-request-bytes {args.max_request_bytes}: give at least 1024 (a chat request's "
                              "JSON alone is a few hundred bytes)")
@@ -247,7 +252,8 @@ def main(argv: list[str]) -> int:
                      engine.version, how, args.host, sock.getsockname()[1])
             if is_tiny(args.checkpoint):
                 log.warning("serve: %s", MEANINGLESS)
-            service = Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes, args.body_timeout)
+            service = Service(engine, args.queue_size, args.queue_timeout, args.max_request_bytes, args.body_timeout,
+                              tuple(args.served_names))
             return run_server(service, sock, args)
         finally:
             sock.close()

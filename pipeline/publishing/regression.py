@@ -1,5 +1,8 @@
 """The regression gate: a rebuild goes out only if it is no worse than the version of the same variant published
-before it (what the target's head holds in ``<variant>/manifest.json``: the last version published there).
+before it (what the target's head holds in ``<variant>/manifest.json``: the last version published there), when both
+are builds of the same weights (``model.weights_digest``). A build of other weights (a new checkpoint revision, a
+fine-tune) is compared all the same and the rows recorded, but not gated: each build's parity figures are against its
+own reference, so across weights they measure nothing; its own parity must pass, as every publish's must.
 
 Compared, from the validation summaries both manifests carry: parity must still pass on at least as many prompts,
 and its teacher-forced match may fall by at most ``teacher_forced_drop``; decode tokens/s (the slowest context) may
@@ -85,6 +88,9 @@ def table(result: Comparison | RegressionResult) -> str:
         change = "" if r.change is None else f"{100 * r.change:+.1f}%"
         lines.append(f"  {r.check:<24} {r.previous!s:>12} {r.current!s:>12} {change:>8}  "
                      f"{r.limit!s:<14} {'ok' if r.passed else 'REGRESSED'}")
+    if isinstance(result, RegressionResult) and not result.same_weights:
+        lines.append(f"  not gated: {result.against} is a build of other weights (model.weights_digest), so its "
+                     "figures are not this build's to meet; recorded only")
     if not result.comparable_throughput:
         lines.append("  throughput not compared: the builds were measured on different backends or hardware, or on a "
                      "backend outside publish.regression.throughput_backends")
@@ -92,7 +98,7 @@ def table(result: Comparison | RegressionResult) -> str:
 
 
 def gate(previous: Manifest | None, version: str, fingerprint: str, summary: ValidationSummary, tolerances,
-         allow: bool) -> RegressionResult | None:
+         allow: bool, weights_digest: str) -> RegressionResult | None:
     """The regression record for the manifest, or None when there is nothing to compare with (``previous``: the
     manifest the target's head holds for this variant).
 
@@ -112,9 +118,10 @@ def gate(previous: Manifest | None, version: str, fingerprint: str, summary: Val
             raise
         return None
     found = compare(before, summary, tolerances)
+    same = previous.model.weights_digest == weights_digest
     record = RegressionResult(previous.version, previous.fingerprint, found.comparable_throughput, found.checks,
-                              found.passed, allowed=bool(allow and not found.passed))
-    if not found.passed and not allow:
+                              found.passed, allowed=bool(same and allow and not found.passed), same_weights=same)
+    if not found.passed and not allow and same:
         raise PublishError(f"{version} regressed against {record.against}, the last published version of this "
                            f"variant:\n{table(record)}\nNothing was published. publish.allow_regression=true "
                            "publishes it anyway (recorded in its manifest); the tolerances are "

@@ -42,7 +42,7 @@ from pipeline.decoding.engine import BatchEngine
 from pipeline.decoding.runner import DECODE_THREADS, BatchRunner
 from pipeline.decoding.sequence import Finish as SequenceFinish
 from pipeline.decoding.sequence import Sequence, Step
-from pipeline.serving.sampling import Sampler, TokenLogprob
+from pipeline.serving.sampling import Sampler, TokenLogprob, token_logprob
 from pipeline.validation.prompts import messages_ids
 
 WARMUP_CONTENT = "Hi"  # the warm-up request: a prefill and one decode step, so both graphs have run once
@@ -67,26 +67,30 @@ class Finish:
 
 class TextStream:
     """One sequence's text as it decodes, handed to ``sink`` as it comes (``Piece`` per token, then one ``Finish``, or
-    the exception that ended it), from the engine's thread. Ends the sequence at an end-of-sequence token or one of
-    ``stop_ids`` (not shown), or at a stop string (the text cut before it)."""
+    the exception that ended it), from the engine's thread. Ends the sequence at one of ``ends`` (end-of-sequence and
+    stop tokens; not shown), or at a stop string (the text cut before it); neither before ``min_tokens`` tokens (the
+    sampler holds those tokens off meanwhile)."""
 
-    def __init__(self, engine: Engine, stops: tuple[str, ...], stop_ids: tuple[int, ...], sampler: Sampler | None,
+    def __init__(self, engine: Engine, stops: tuple[str, ...], ends: frozenset[int], sampler: Sampler | None,
                  sink: Callable[[Piece | Finish | BaseException], None],
-                 ended: Callable[[Sequence], None] | None = None):
-        self.engine, self.stops, self.stop_ids, self.sampler, self.sink = engine, stops, stop_ids, sampler, sink
-        self.ended = ended
+                 ended: Callable[[Sequence], None] | None = None, min_tokens: int = 0):
+        self.engine, self.stops, self.ends, self.sampler, self.sink = engine, stops, ends, sampler, sink
+        self.ended, self.min_tokens = ended, min_tokens
         self.tokens: list[int] = []
         self.shown = 0  # characters of the generated text already given out
         self.done = False
 
     def on_step(self, seq: Sequence, step: Step) -> bool:
-        if step.token in self.engine.eos_ids or step.token in self.stop_ids:
+        logprob = self.sampler.logprobs[-1] if self.sampler and self.sampler.params.top_logprobs is not None else None
+        if step.token in self.ends:
+            # a token of its own (counted, its log-probability given, as vLLM gives it), with no text
+            self.sink(Piece(step.token, "", step.seconds, logprob))
             self._finish("stop", self.engine.text(self.tokens)[self.shown:], len(self.tokens) + 1)
             return False
         self.tokens.append(step.token)
         text = self.engine.text(self.tokens)
-        logprob = self.sampler.logprobs[-1] if self.sampler and self.sampler.params.top_logprobs is not None else None
-        cut = min((text.find(s, max(0, self.shown - len(s))) for s in self.stops if s in text), default=-1)
+        stops = self.stops if len(self.tokens) >= self.min_tokens else ()
+        cut = min((text.find(s, max(0, self.shown - len(s))) for s in stops if s in text), default=-1)
         if cut >= 0:
             self.sink(Piece(step.token, "", step.seconds, logprob))
             self._finish("stop", text[self.shown:cut], len(self.tokens))
@@ -264,10 +268,17 @@ class Engine:
         with self._tokenizer_lock:
             return messages_ids(self.tokenizer, messages)
 
-    def text_ids(self, prompt: str) -> list[int]:
+    def text_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A raw completion prompt: the tokenizer's own special tokens (BOS), no chat template."""
         with self._tokenizer_lock:
-            return list(self.tokenizer(prompt)["input_ids"])
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's ``/tokenizer_info``: the tokenizer's special tokens and chat template (lm-eval's remote tokenizer
+        reads them), and the longest sequence this build holds."""
+        tok = self.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": tok.chat_template, "model_max_length": self.shape.kv_max}
 
     def room(self, prompt_tokens: int) -> int:
         """How many new tokens the build's cache holds after a prompt of this length."""
@@ -282,12 +293,29 @@ class Engine:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def sequence(self, ids: list[int], max_tokens: int, stops: tuple[str, ...], sink, sampler: Sampler | None = None,
-                 stop_ids: tuple[int, ...] = (), group: object = None, on_start=None, on_end=None) -> Sequence:
+                 stop_ids: tuple[int, ...] = (), group: object = None, on_start=None, on_end=None,
+                 ignore_eos: bool = False, min_tokens: int = 0) -> Sequence:
         """A sequence decoding ``ids`` (greedy, or ``sampler``'s choices) whose text goes to ``sink``
-        (``TextStream``), with the caller's hooks (``on_end`` after its last item); ``submit`` it."""
-        stream = TextStream(self, stops, stop_ids, sampler, sink, on_end)
-        return Sequence(list(ids), max_tokens, self.eos_ids, sampler.choose if sampler else None, group=group,
+        (``TextStream``), with the caller's hooks (``on_end`` after its last item); ``submit`` it. ``ignore_eos``:
+        end-of-sequence tokens end nothing (vLLM's, for fixed output lengths)."""
+        eos = frozenset() if ignore_eos else self.eos_ids
+        stream = TextStream(self, stops, eos | frozenset(stop_ids), sampler, sink, on_end, min_tokens)
+        return Sequence(list(ids), max_tokens, eos, sampler.choose if sampler else None, group=group,
                         on_step=stream.on_step, on_start=on_start, on_end=stream.on_end)
+
+    def scoring(self, ids: list[int], top: int, scores: list[TokenLogprob], group: object = None, on_start=None,
+                on_end=None) -> Sequence:
+        """A sequence that scores the prompt ``ids``: its first token prefilled, then every next one fed by a decode
+        step (teacher forcing, as validation's), each step's logits giving the log-probability of the token fed
+        after it, appended to ``scores`` (with the ``top`` most likely). No graph of its own: a prompt of n tokens
+        costs a prefill call and n - 1 decode steps."""
+
+        def on_step(seq: Sequence, step: Step) -> bool:
+            scores.append(token_logprob(step.logits, ids[len(seq.tokens)], top))
+            return True
+
+        return Sequence(list(ids[:1]), len(ids) - 1, frozenset(), forced=list(ids[1:]), group=group,
+                        on_step=on_step, on_start=on_start, on_end=on_end)
 
     def submit(self, *sequences: Sequence) -> None:
         self.batch.submit(*sequences)

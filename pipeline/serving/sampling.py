@@ -10,6 +10,8 @@ other graph: ``Sampler.choose`` is given the row and returns the token, which th
 - ``top_k`` keeps the ``k`` most likely tokens (0 or -1: all), ``min_p`` those at least ``min_p`` times as likely as
   the most likely one: both after temperature and before ``top_p``, in vLLM's order.
 - ``logit_bias`` (token id -> -100..100, OpenAI's) is added to the logits before anything else, greedy included.
+- ``min_tokens`` (vLLM's): until that many tokens are chosen, the end-of-sequence and stop tokens (``held_off``)
+  cannot be (their logits are -inf), greedy included.
 - ``repetition_penalty`` (vLLM's, after the CTRL paper: 1 is off) divides the positive logits and multiplies the
   negative ones of every token in the prompt or already generated; ``presence_penalty`` and ``frequency_penalty``
   lower the logit of every token already generated in this request (once, and once per occurrence: OpenAI's
@@ -48,6 +50,9 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    held_off: tuple[int, ...] = ()
+    """The tokens ``min_tokens`` holds off: the request's end-of-sequence and stop tokens."""
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +62,7 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether anything moves the logits before the choice (else greedy is the build's own argmax)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or (self.min_tokens and self.held_off))
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Sampler:
             ids = torch.tensor(sorted(self.prompt_ids | set(self.counts)), dtype=torch.long)
             picked = scores[ids]
             scores[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if p.held_off and self.counts.total() < p.min_tokens:
+            scores[torch.tensor(p.held_off, dtype=torch.long)] = -torch.inf
         if self.counts and (p.presence_penalty or p.frequency_penalty):
             tokens = torch.tensor(list(self.counts), dtype=torch.long)
             counts = torch.tensor([self.counts[t] for t in self.counts], dtype=scores.dtype)

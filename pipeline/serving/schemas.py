@@ -8,7 +8,7 @@ may send, in one place, apart from how it is served.
 from __future__ import annotations
 
 import asyncio
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -21,7 +21,7 @@ from pipeline.serving.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, Samp
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 64  # the generate command's default
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
-MAX_N = 16  # choices per request (decoded one after another: the graphs are batch 1)
+MAX_N = 16  # choices per request (each a sequence of its own, decoded side by side as the build's lines free)
 MAX_PROMPTS = 16  # prompts in one completions request (likewise)
 
 
@@ -53,16 +53,19 @@ class Sampling(Body):
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
 
-    def sampling(self, top_logprobs: int | None, vocab_size: int) -> SamplingParams | None:
+    def sampling(self, top_logprobs: int | None, vocab_size: int, ends: frozenset[int] = frozenset(),
+                 min_tokens: int = 0) -> SamplingParams | None:
         """The request's sampling; None for plain greedy decoding (the build's own argmax, as validation ran it:
-        a seed alone changes nothing, greedy text is the same for any seed)."""
+        a seed alone changes nothing, greedy text is the same for any seed). ``ends``: the tokens ``min_tokens``
+        holds off (end-of-sequence and stop tokens)."""
         params = SamplingParams(temperature=self.temperature or 0.0,
                                 top_p=self.top_p if self.top_p is not None else 1.0, seed=self.seed,
                                 presence_penalty=self.presence_penalty or 0.0,
                                 frequency_penalty=self.frequency_penalty or 0.0, top_logprobs=top_logprobs,
                                 top_k=max(0, self.top_k or 0), min_p=self.min_p or 0.0,
                                 repetition_penalty=self.repetition_penalty or 1.0,
-                                logit_bias=self.biases(vocab_size))
+                                logit_bias=self.biases(vocab_size), min_tokens=min_tokens,
+                                held_off=tuple(sorted(ends)) if min_tokens else ())
         plain = params.greedy and not params.changes_logits
         return None if plain and top_logprobs is None else params
 
@@ -91,6 +94,7 @@ class Sampling(Body):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk (load tools count tokens by it)
 
 
 class TextPart(Body):
@@ -116,6 +120,15 @@ class OpenAIRequest(Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None  # refused unless plain text: see unsupported()
+    # vLLM's, which benchmarks send to fix output lengths: decode past end-of-sequence tokens; and no end (an
+    # end-of-sequence token, a stop token or a stop string) before min_tokens tokens
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+
+    def checked_min_tokens(self, max_tokens: int | None) -> int:
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise Refused(400, f"min_tokens {self.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+        return self.min_tokens
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, sentence)`` for a field this server takes by name but cannot honour."""
@@ -143,8 +156,10 @@ class ChatRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] = Field(min_length=1)
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    # A text, several, a prompt as token ids, or several such (OpenAI's four forms; vLLM takes them too): read by
+    # prompts(), which names what is wrong in one sentence (pydantic's union errors name its own types)
+    prompt: str | list
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)  # 0 with echo: the prompt scored, no more
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
     best_of: int | None = Field(None, ge=1)
@@ -153,10 +168,29 @@ class CompletionRequest(OpenAIRequest):
     def asked_logprobs(self) -> int | None:
         return self.logprobs
 
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        given = self.prompt
+        if isinstance(given, list) and given and all(isinstance(t, int) for t in given):
+            if not all(token_id(t) for t in given):
+                raise Refused(400, "prompt holds a token id below 0 (or a boolean): token ids are whole numbers "
+                                   "from 0", "prompt")
+            return [given]
+        many = given if isinstance(given, list) else [given]
+        for i, one in enumerate(many):
+            what = f"prompt.{i}" if isinstance(given, list) else "prompt"
+            if not isinstance(one, (str, list)) or not one or (isinstance(one, list)
+                                                               and not all(token_id(t) for t in one)):
+                raise Refused(400, f"{what} is {json_kind(one)}: a prompt is a text, token ids (whole numbers from "
+                                   "0), or a list of either; none may be empty", "prompt")
+        if not many:
+            raise Refused(400, "prompt is an empty list: give at least one prompt", "prompt")
+        return list(many)
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", ("echo is not supported: the reply holds the completion only (the prompt is yours "
-                            "already); omit echo")
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", ("max_tokens 0 asks for nothing unless echo is true (the prompt and, with logprobs, "
+                                  "its tokens' log-probabilities); ask for at least 1")
         if self.best_of not in (None, 1):
             return "best_of", (f"best_of {self.best_of} is not supported: choosing among drafts needs their "
                                "log-probabilities summed server-side; ask for n choices with logprobs instead")
@@ -165,9 +199,41 @@ class CompletionRequest(OpenAIRequest):
         return super().unsupported()
 
 
+def token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def json_kind(value) -> str:
+    if isinstance(value, (str, list)) and not value:
+        return "empty"
+    return {str: "a text", list: "a list of other things", bool: "a boolean", int: "a number"}.get(
+        type(value), f"a JSON {type(value).__name__}")
+
+
 class GenerateRequest(Body):
     prompt: str = Field(min_length=1)
     max_tokens: int = Field(GENERATE_DEFAULT_MAX_TOKENS, ge=1)
+
+
+class TokenizeRequest(Body):
+    """vLLM's ``/tokenize``: a text (``add_special_tokens``: the tokenizer's BOS, as a completion prompt gets) or chat
+    messages (the chat template, with the generation prompt, as a chat request gets)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def text_or_messages(self) -> str | list[dict]:
+        if (self.prompt is None) == (self.messages is None):
+            raise Refused(400, "give prompt (a text) or messages (a chat), one of them", "prompt")
+        return self.prompt if self.prompt is not None else [m.as_template_input() for m in self.messages]
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

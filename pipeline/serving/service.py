@@ -20,6 +20,7 @@ from fastapi import Request
 from pipeline.core.errors import InputError
 from pipeline.core.log import log
 from pipeline.decoding.runner import RanksFailed
+from pipeline.decoding.sequence import Finish as SequenceFinish
 from pipeline.decoding.sequence import Sequence
 from pipeline.serving.admission import Admission, Ticket
 from pipeline.serving.engine import Engine, Finish, Piece
@@ -44,8 +45,11 @@ class Service:
     """The app's state: the engine (``None`` until loaded), its readiness, the queue and the metrics."""
 
     def __init__(self, engine: Engine, queue_size: int, queue_timeout_s: float,
-                 max_request_bytes: int, body_timeout_s: float):
+                 max_request_bytes: int, body_timeout_s: float, served_names: tuple[str, ...] = ()):
         self.engine = engine
+        # What requests may call the build (``model``): the names given (vLLM's --served-model-name), then its
+        # version, which is always accepted.
+        self.names = tuple(dict.fromkeys([*served_names, engine.version]))
         self.body_timeout_s = body_timeout_s
         self.metrics = Metrics(engine.lines)
         engine.on_decode = self.metrics.occupancy.observe  # from the decode thread (Prometheus' metrics are safe)
@@ -105,9 +109,10 @@ class Service:
         if self.state != "ready":
             raise Refused(503, f"the server is {self.state}" + (f": {self.problem}" if self.problem else ""),
                           retry_after_s=5)
-        if model is not None and model != self.engine.version:
-            raise Refused(404, f"model {model!r} is not served here; this server serves {self.engine.version!r} "
-                               "(GET /v1/models)", "model", "model_not_found")
+        if model is not None and model not in self.names:
+            served = " or ".join(repr(name) for name in self.names)
+            raise Refused(404, f"model {model!r} is not served here; this server serves {served} (GET /v1/models)",
+                          "model", "model_not_found")
         return self.engine
 
     async def ids(self, texts: list[str], make: Callable[[], list[int]], what: str) -> list[int]:
@@ -132,15 +137,29 @@ class Service:
             raise Refused(400, problem, what if self.engine.room(len(ids)) < 1 else max_field)
         return max_tokens if max_tokens is not None else self.engine.room(len(ids))
 
-    async def start(self, request: Request, choices: list[Choice], stops: tuple[str, ...], arrived: float,
-                    stop_ids: tuple[int, ...] = ()) -> Decoding:
+    async def start(self, request: Request, choices: list[Choice], ending: Ending, arrived: float) -> Decoding:
         """Queue every choice of a request as a sequence of its own and return once the first has a cache line (a
         refusal before then keeps its HTTP status: 429 queue full, 503 waited too long or closing). A client that
         disconnects, before or after, gives up every sequence of its request before their next token."""
-        ticket = self.admission.enter()
-        decoding = Decoding(self, choices, arrived, ticket)
+        decoding = Decoding(self, choices, arrived)
+        return await self._admit(request, decoding, decoding.sequences(ending))
+
+    async def score(self, request: Request, prompts: list[list[int]], top: int, arrived: float
+                    ) -> list[list[TokenLogprob]]:
+        """Each prompt's tokens after its first, with their log-probabilities (and the ``top`` most likely at each
+        position): ``Engine.scoring``'s sequences, queued and admitted like any request's."""
+        scoring = Scoring(self, [Choice(i, ids, len(ids) - 1, None) for i, ids in enumerate(prompts)], arrived, top)
+        scored = scoring.sequences()  # a prompt of one token has nothing to score
+        if scored:
+            await self._admit(request, scoring, scored)
+            async for _ in scoring.items():
+                pass
+        return scoring.scores
+
+    async def _admit(self, request: Request, decoding: Decoding, sequences: list[Sequence]) -> Decoding:
+        decoding.ticket = ticket = self.admission.enter()
         try:
-            self.engine.submit(*decoding.sequences(stops, stop_ids))
+            self.engine.submit(*sequences)
         except RanksFailed as exc:
             self.admission.leave(ticket)
             raise Refused(503, f"the server is failed: {exc}", retry_after_s=5) from None
@@ -164,10 +183,10 @@ class Service:
             log.error("serve: one request failed (the server goes on): %s: %s", type(exc).__name__, exc,
                       exc_info=exc)
 
-    async def complete(self, request: Request, choices: list[Choice], stops: tuple[str, ...], arrived: float,
-                       stop_ids: tuple[int, ...] = ()) -> list[Outcome]:
+    async def complete(self, request: Request, choices: list[Choice], ending: Ending, arrived: float
+                       ) -> list[Outcome]:
         """Every choice decoded, in the choices' order."""
-        decoding = await self.start(request, choices, stops, arrived, stop_ids)
+        decoding = await self.start(request, choices, ending, arrived)
         outs = [Outcome("", "length", len(c.ids), 0, None, 0.0) for c in choices]
         async for index, item in decoding.items():
             out = outs[index]
@@ -187,14 +206,15 @@ class Service:
 class Decoding:
     """One request's sequences (a choice each) and what they decode, as the engine's thread hands it over."""
 
-    def __init__(self, service: Service, choices: list[Choice], arrived: float, ticket: Ticket):
-        self.service, self.choices, self.arrived, self.ticket = service, choices, arrived, ticket
+    def __init__(self, service: Service, choices: list[Choice], arrived: float):
+        self.service, self.choices, self.arrived = service, choices, arrived
+        self.ticket: Ticket | None = None  # its place in admission, once it asked for one
         self.queue: asyncio.Queue = asyncio.Queue()
         self._sequences: list[Sequence] = []
         self._started = False
         self.cancelled = False
 
-    def sequences(self, stops: tuple[str, ...], stop_ids: tuple[int, ...]) -> list[Sequence]:
+    def sequences(self, ending: Ending) -> list[Sequence]:
         """A sequence per choice, its text handed to this request's queue, fair among requests (``group``)."""
         engine = self.service.engine
         for choice in self.choices:
@@ -205,8 +225,10 @@ class Decoding:
                     self.service.metrics.tokens.inc()  # what the build decoded, read by the client or not
                 self.service.post(self.queue.put_nowait, (index, item))
 
-            self._sequences.append(engine.sequence(choice.ids, choice.max_tokens, stops, sink, sampler, stop_ids,
-                                                   group=self, on_start=self._on_start, on_end=self._on_end))
+            self._sequences.append(engine.sequence(choice.ids, choice.max_tokens, ending.stops, sink, sampler,
+                                                   ending.stop_ids, group=self, on_start=self._on_start,
+                                                   on_end=self._on_end, ignore_eos=ending.ignore_eos,
+                                                   min_tokens=ending.min_tokens))
         return self._sequences
 
     def _on_start(self, _: Sequence) -> None:  # in the decode thread
@@ -263,6 +285,28 @@ class Decoding:
             self.cancel()  # the answer is complete, or its reader went away: nothing more is decoded for it
 
 
+class Scoring(Decoding):
+    """One request's prompts scored (``Engine.scoring``): ``scores[i]`` holds prompt ``i``'s entries once done."""
+
+    def __init__(self, service: Service, choices: list[Choice], arrived: float, top: int):
+        super().__init__(service, choices, arrived)
+        self.top = top
+        self.scores: list[list[TokenLogprob]] = [[] for _ in choices]
+
+    def sequences(self) -> list[Sequence]:
+        self.choices = [choice for choice in self.choices if len(choice.ids) > 1]
+        for choice in self.choices:
+            def ended(seq: Sequence, index=choice.index) -> None:
+                self._on_end(seq)
+                failed = seq.finish in (SequenceFinish.error, SequenceFinish.failed)
+                item = seq.error if failed else Finish(str(seq.finish), "", len(seq.tokens))
+                self.service.post(self.queue.put_nowait, (index, item))
+
+            self._sequences.append(self.service.engine.scoring(choice.ids, self.top, self.scores[choice.index],
+                                                               group=self, on_start=self._on_start, on_end=ended))
+        return self._sequences
+
+
 async def watch_disconnect(request: Request, decoding: Decoding) -> None:
     """Give up the request's sequences when its client disconnects."""
     while not decoding.cancelled:
@@ -273,6 +317,17 @@ async def watch_disconnect(request: Request, decoding: Decoding) -> None:
 
 
 # -- a reply's choices ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ending:
+    """What ends a request's sequences besides their budget: stop strings, stop tokens, end-of-sequence tokens
+    unless ``ignore_eos``, none of them before ``min_tokens`` tokens."""
+
+    stops: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
 
 @dataclass(frozen=True)
 class Choice:

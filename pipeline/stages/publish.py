@@ -428,11 +428,12 @@ def run(cfg: PipelineConfig) -> StageResult:
 
     def prepare(previous: Manifest | None) -> tuple[dict, Manifest]:
         found = regression.gate(previous, version, manifest.fingerprint, summary, pub.regression,
-                                pub.allow_regression)
+                                pub.allow_regression, manifest.model.weights_digest)
         if found:
+            said = ("REGRESSED, allowed by publish.allow_regression" if found.allowed else "no regression"
+                    if found.passed else "other weights: compared, not gated")
             log.log(logging.WARNING if found.allowed else logging.INFO, "publish: %s against %s: %s\n%s",
-                    version, found.against, "REGRESSED, allowed by publish.allow_regression" if found.allowed
-                    else "no regression", regression.table(found))
+                    version, found.against, said, regression.table(found))
         final = published_manifest(manifest, summary, found, bool(sig.private_key))
         return repo_files(cfg.variant.name, archive, final, metrics, sig.private_key), final
 
