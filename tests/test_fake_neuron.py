@@ -50,12 +50,25 @@ def built(neuron_checked, sdk) -> dict[str, Path]:
             "host": root / "gemma4_tiny" / "256_bf16_host" / "build"}
 
 
+# The end of every script that may have run a loaded model: the stand-in's ranks run on torch's interop threads
+# (torch.jit.fork), and tearing those down at interpreter exit has aborted a finished script on a loaded machine
+# ("terminate called without an active exception", exit -6) after everything it checks was printed. Leaving without
+# that teardown keeps the exit code the script's (an uncaught exception still exits 1 before it gets here).
+LEAVE = """
+import os as _os, sys as _sys
+_sys.stdout.flush()
+_sys.stderr.flush()
+_os._exit(0)
+"""
+
+
 def python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter on the stand-in (its environment as the fixture set it), run in a scratch
-    directory (the stand-in's parallel_model_trace writes its compiler log into the current directory)."""
+    directory (the stand-in's parallel_model_trace writes its compiler log into the current directory); ``LEAVE``
+    after it."""
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]), **(env or {})}
     with tempfile.TemporaryDirectory() as scratch:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code) + LEAVE], capture_output=True, text=True,
                               env=full, timeout=timeout, cwd=scratch)
 
 
@@ -308,7 +321,7 @@ def test_model_builder_compiles_through_the_cache_and_loads_persistent_buffers_a
     same final flags both times. A persistent buffer is a state_dict key, a weight the checkpoint must hold (the
     stricter reading of what torch-neuronx does with one)."""
     cache = {"NEURON_COMPILE_CACHE_URL": str(tmp_path / "cache")}
-    code = textwrap.dedent(CACHED_BUILD)
+    code = textwrap.dedent(CACHED_BUILD) + LEAVE
     run = [sys.executable, "-c", code, str(tmp_path / "wd")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]), **cache}
     first = subprocess.run([*run, "with-buffer"], capture_output=True, text=True, env=env, cwd=tmp_path)

@@ -170,6 +170,23 @@ def test_a_rebuild_is_compared_with_the_last_published_version(tmp_path):
     assert Path(pulled.stdout.strip()).name == f"gemma4_tiny-{second}"
 
 
+@pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it: two builds
+def test_a_build_of_other_weights_publishes_beside_the_last_with_its_comparison_recorded_not_gated(tmp_path):
+    """Issue 53, through the publish stage: a build from other weights (``+model.tiny.seed=7``) after one published
+    from the default weights is published whatever its parity figures say against the other's, and its manifest
+    records the comparison as not gated (``same_weights: false``)."""
+    run(config(tmp_path, *FAST_VALIDATE))
+    first = json.loads((tmp_path / "gemma4_tiny" / "512_fp32" / "dist" / "manifest.json").read_text())
+    run(config(tmp_path, *FAST_VALIDATE, "+model.tiny.seed=7"))
+    second = json.loads((tmp_path / "gemma4_tiny" / "512_fp32" / "dist" / "manifest.json").read_text())
+    assert second["model"]["weights_digest"] != first["model"]["weights_digest"]
+    assert sorted(_tags(tmp_path)) == sorted([first["version"], second["version"]])
+    published = subprocess.run(["git", "show", f"{second['version']}:512_fp32/manifest.json"],
+                               cwd=tmp_path / "published", capture_output=True, text=True, check=True).stdout
+    record = json.loads(published)["regression"]
+    assert record["against"] == first["version"] and record["same_weights"] is False and not record["allowed"]
+
+
 @pytest.mark.slow  # `make test-slow` (and `.ci/run`) runs it
 def test_a_rebuild_that_makes_the_same_rank_files_is_the_same_version_and_publishes_nothing(tmp_path, monkeypatch):
     """What rebuilds without changing the rank files (the host's Neuron driver packages, simulated in the toolchain

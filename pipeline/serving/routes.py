@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -101,16 +101,15 @@ async def models(request: Request) -> dict:
                                         "max_model_len": engine.shape.kv_max} for name in service.names]}
 
 
-async def accept(request: Request, kind: type[OpenAIRequestT], max_tokens: int | None = None
-                 ) -> tuple[OpenAIRequestT, Engine, Ending]:
+async def accept(request: Request, kind: type[OpenAIRequestT]) -> tuple[OpenAIRequestT, Engine, Ending]:
     """A chat or completion request's body, checked; the engine, ready and serving its model; how its sequences
-    end (``max_tokens``: the most the request asks for, which ``min_tokens`` may not pass)."""
+    end."""
     service = service_of(request)
     body = await parse(request, kind, service.max_request_bytes, service.body_timeout_s)
     engine = service.require_ready(body.model)
     check_supported(body)
     ending = Ending(stops_of(body.stop), body.stop_ids(engine.vocab_size), body.ignore_eos,
-                    body.checked_min_tokens(body.max_tokens if max_tokens is None else max_tokens))
+                    body.checked_min_tokens())
     return body, engine, ending
 
 
@@ -134,7 +133,6 @@ async def chat(request: Request):
     body, engine, ending = await accept(request, ChatRequest)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise Refused(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    ending = replace(ending, min_tokens=body.checked_min_tokens(body.max_tokens or body.max_completion_tokens))
     messages = [m.as_template_input() for m in body.messages]
     ids = await service.ids([m["content"] for m in messages], lambda: engine.chat_ids(messages), "messages")
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -200,7 +198,8 @@ async def completions(request: Request):
         else:
             ids = token_ids(prompt, engine.vocab_size, what)
         texts.append(prompt if isinstance(prompt, str) else engine.text(ids))
-        prompts.append((ids, service.prepare(ids, body.max_tokens or None, what) if body.max_tokens != 0 else 0))
+        budget = service.prepare(ids, body.max_tokens or None, what)  # the prompt must fit, echoed alone too
+        prompts.append((ids, budget if body.max_tokens != 0 else 0))
     choices = choices_of(prompts, body.n or 1, sampling_of(body, engine, ending))
     scored = await echoes(request, body, prompts, texts, arrived)
     echoed = [scored[c.index // (body.n or 1)] for c in choices] if scored else None  # each choice's prompt

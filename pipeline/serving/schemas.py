@@ -125,9 +125,14 @@ class OpenAIRequest(Sampling):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
 
-    def checked_min_tokens(self, max_tokens: int | None) -> int:
-        if max_tokens is not None and self.min_tokens > max_tokens:
-            raise Refused(400, f"min_tokens {self.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+    def token_budget(self) -> int | None:
+        """The most new tokens the request asks for (None: what the cache holds); each kind says."""
+        raise NotImplementedError
+
+    def checked_min_tokens(self) -> int:
+        budget = self.token_budget()
+        if budget is not None and self.min_tokens > budget:
+            raise Refused(400, f"min_tokens {self.min_tokens} is more than max_tokens {budget}", "min_tokens")
         return self.min_tokens
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -149,6 +154,9 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
+    def token_budget(self) -> int | None:
+        return self.max_tokens or self.max_completion_tokens
+
     def asked_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise Refused(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -164,6 +172,9 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
 
     def asked_logprobs(self) -> int | None:
         return self.logprobs
