@@ -65,7 +65,9 @@ def stream(url: str, version: str, text: str, tokens: int) -> tuple[float, list[
     with urllib.request.urlopen(req, timeout=900) as response:
         for raw in response:
             line = raw.decode().strip()
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+            # one event per token; the last event of a choice only carries its finish (no token)
+            choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
+            if choices and choices[0]["finish_reason"] is None:
                 arrivals.append(time.perf_counter())
     return sent, arrivals
 

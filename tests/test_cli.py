@@ -250,3 +250,18 @@ def test_subcommand_help_shows_no_restructuredtext_markup():
     for name in SUBCOMMANDS:
         proc = cli(name, "--help")
         assert proc.returncode == 0 and "``" not in proc.stdout, (name, proc.stdout[:500])
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--margin", "2"], "--margin 2.0 --limit None: the margin is a score from 0 to 1"),
+    ([], "eval needs lm-eval: pip install -e '.[eval]'"),
+])
+def test_eval_refuses_bad_input_and_a_missing_lm_eval_before_it_serves_anything(tmp_path, args, said):
+    """``python -m pipeline eval`` says what is wrong in one line before it starts a server (make test-loadtools runs
+    it for real, in .venv-eval where lm-eval is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is not None and not args:
+        pytest.skip("lm-eval is installed here")
+    proc = cli("eval", str(tmp_path / "nowhere"), "--checkpoint", str(tmp_path), *args)
+    assert proc.returncode == 1 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

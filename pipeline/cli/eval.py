@@ -4,8 +4,9 @@ Starts ``serve`` of the version on a free loopback port (every flag eval does no
 --allow-unsigned, --public-key, ...), runs the project's lm-eval tasks against it (pipeline/evaluation/tasks.py: a
 multiple-choice task scored by log-likelihood, a generation task by exact match), stops it, runs the same tasks on
 the checkpoint through lm-eval's transformers backend in fp32 on the CPU, and prints both scores. Exits 1 when the
-served build scores below the reference by more than --margin on any task (2 on bad input). --output writes the scores
-as JSON. Needs the ``[eval]`` extra (lm-eval); docs/validation.md says when to run it.
+served build scores below the reference by more than --margin on any task, or with a one-line message on bad input
+(before anything starts). --output writes the scores as JSON. Needs the ``[eval]`` extra (lm-eval); docs/validation.md
+says when to run it.
 """
 
 from __future__ import annotations
@@ -135,4 +136,4 @@ def main(argv: list[str]) -> int:
                                                "limit": args.limit, "tasks": [s.as_json() for s in scores]},
                                               indent=1) + "\n")
         return 0 if all(s.passed for s in scores) else 1
-    return 2  # pragma: no cover - exit_on_error exits
+    return 1  # pragma: no cover - exit_on_error exits
