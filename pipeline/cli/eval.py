@@ -83,6 +83,13 @@ class Served:
     def __enter__(self) -> Served:
         with open(self.log_file, "w") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return self._wait_ready()
+        except BaseException:  # not ready in time, or interrupted: the server does not outlive eval
+            self.__exit__()
+            raise
+
+    def _wait_ready(self) -> Served:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,8 +101,8 @@ class Served:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise InputError(f"serve was not ready after {self.timeout_s:g} s (--startup-timeout); its log: "
-                         f"{self.log_file}")
+        raise InputError(f"serve was not ready after {self.timeout_s:g} s (--startup-timeout); its log ends:\n"
+                         f"{self.log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
