@@ -112,7 +112,7 @@ class Served:
 
 def main(argv: list[str]) -> int:
     from pipeline.evaluation import harness
-    from pipeline.evaluation.tasks import task_named
+    from pipeline.evaluation.tasks import task_named, write_tasks
 
     args, serve_args = arguments().parse_known_args(argv)
     setup()
@@ -125,6 +125,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files
         with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as scratch:
             folder = Path(scratch)
+            write_tasks(folder / "tasks", tasks)  # both runs read them
             with Served(args, serve_args, folder / "serve.log") as served:
                 model = get_json(f"{served.url}/v1/models")["data"][0]
                 version, kv_max = model["root"], model["max_model_len"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.evaluation.tasks import TASKS, Task, write_tasks
+from pipeline.evaluation.tasks import TASKS, Task
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,12 @@ def reference_model_args(checkpoint: Path, max_length: int) -> dict:
 
 def evaluate(model: str, model_args: dict, tasks_dir: Path, tasks: tuple[Task, ...], limit: int | None
              ) -> dict[str, float]:
-    """One lm-eval run: each task's score (its ``metric``)."""
+    """One lm-eval run of ``tasks``, their files in ``tasks_dir`` (``write_tasks``): each task's score (its
+    ``metric``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    names = write_tasks(tasks_dir, tasks)
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=names,
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task.name for task in tasks],
                                   task_manager=TaskManager(include_path=str(tasks_dir)), limit=limit, batch_size=1,
                                   log_samples=False, random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234,
                                   fewshot_random_seed=1234)

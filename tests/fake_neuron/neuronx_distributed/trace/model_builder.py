@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch_neuronx import _fake_runtime
 
 from neuronx_distributed.parallel_layers import parallel_state
-from neuronx_distributed.trace.spmd import NxDModel, SpmdGraph, executor, spmd_graphs
+from neuronx_distributed.trace.spmd import NxDModel, SpmdGraph, aliased, executor, slot, spmd_graphs
 
 logger = logging.getLogger("Neuron")
 LOG_FILE_DEFAULT_NAME = "log-neuron-cc.txt"
@@ -228,10 +228,10 @@ class ModelBuilder:
                 checkpoint = self.checkpoint_loader()
         finally:
             parallel_state._set_aot_rank(None, None, None)
-        dtypes = dict(module.named_parameters())
+        params = dict(module.named_parameters())  # cast_weights casts to these; buffers keep the checkpoint's dtype
         for rank in range(self.tp_degree):
             sliced = {name: _slice(checkpoint, name, tensor, rank, self.tp_degree).to(
-                dtypes[name].dtype if name in dtypes else checkpoint[name].dtype).contiguous()
+                params[name].dtype if name in params else checkpoint[name].dtype).contiguous()
                 for name, tensor in _weights(module, aliases) if name in checkpoint}
             save_file(sliced, os.path.join(self.compiler_workdir, f"tp{rank}_sharded_checkpoint.safetensors"))
 
@@ -249,12 +249,13 @@ class ModelBuilder:
                 module, aliases = instance.get(0)
                 _write_metaneff(Path(self.compiler_workdir) / key / "_tp0_bk0" / "metaneff.pb", example, module,
                                 aliases)
-                weights, state = dict(_weights(module, aliases)), _states(module, aliases)
+                states = aliased(module, aliases)
+                weights, state = dict(_weights(module, aliases)), {n: module.get_parameter(n) for n in states}
                 if first is None:
                     first = (_layout(weights), _layout(state))
                 elif (_layout(weights), _layout(state)) != first:
                     raise ValueError(f"key {key!r}: the models of one ModelBuilder must share their weights and state")
-                graph = SpmdGraph(module, aliases, list(weights), list(state))
+                graph = SpmdGraph(module, list(weights), states)
                 _empty(module, [*weights, *state])  # the traced graph keeps the module: it holds no weight
                 with torch.no_grad():
                     for tensor in [*weights.values(), *state.values()]:
@@ -360,12 +361,6 @@ def _slice(checkpoint, name, param, rank, tp_degree):
     return full if dim is None else torch.split(full, full.shape[dim] // tp_degree, dim)[rank]
 
 
-def _states(module, aliases) -> dict[str, torch.Tensor]:
-    """The aliased parameters by name, in the alias dict's insertion order (torch-neuronx's)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    return {names[id(p)]: p for p in aliases}
-
-
 def _layout(tensors: dict[str, torch.Tensor]):
     return [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
 
@@ -373,7 +368,5 @@ def _layout(tensors: dict[str, torch.Tensor]):
 def _empty(module, names):
     """Each named parameter or buffer of ``module`` replaced by an empty tensor of its dtype."""
     for name in names:
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        table = owner._parameters if attr in owner._parameters else owner._buffers
+        table, attr = slot(module, name)
         table[attr] = torch.empty(0, dtype=table[attr].dtype)

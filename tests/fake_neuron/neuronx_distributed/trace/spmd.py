@@ -21,6 +21,33 @@ import torch_neuronx  # noqa: F401 - registers torch.ops.neuron, as the real mod
 from neuronx_distributed.parallel_layers import parallel_state
 
 
+def aliased(model: torch.nn.Module, aliases) -> dict[str, int]:
+    """``aliases`` (``{parameter: output index}``) by the parameters' names, in the dict's insertion order
+    (torch-neuronx takes ``tuple(input_output_aliases.keys())``); refused unless every key is a parameter of
+    ``model``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param in aliases:
+        if not isinstance(param, torch.nn.Parameter) or id(param) not in names:
+            raise ValueError("input_output_aliases keys must be parameters of the module get() returned")
+    return {names[id(p)]: i for p, i in aliases.items()}
+
+
+def slot(model: torch.nn.Module, name: str) -> tuple[dict, str]:
+    """Where ``model``'s parameter or buffer ``name`` is held: its owner's table and its key there."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    return (owner._parameters if attr in owner._parameters else owner._buffers), attr
+
+
+def written_back(outs, states, indices: list[int]):
+    """The runtime's input-output aliasing: each aliased output copied into its state; the other outputs, one
+    tensor or a tuple."""
+    for state, index in zip(states, indices):
+        state.copy_(outs[index])
+    kept = [out for i, out in enumerate(outs) if i not in indices]
+    return kept[0] if len(kept) == 1 else tuple(kept)
+
+
 class StateGraph(torch.nn.Module):
     """What the stand-in's compiler makes of a module and its ``{parameter: output index}`` aliases (both trace
     paths): the aliased parameters become ``states.N`` in the alias dict's insertion order (torch-neuronx takes
@@ -32,10 +59,7 @@ class StateGraph(torch.nn.Module):
 
     def __init__(self, model, aliases, return_aliased: bool):
         super().__init__()
-        own = {id(p) for p in model.parameters()}
-        for param in aliases:
-            if not isinstance(param, torch.nn.Parameter) or id(param) not in own:
-                raise ValueError("input_output_aliases keys must be parameters of the module get() returned")
+        aliased(model, aliases)
         self.states = torch.nn.ParameterList(list(aliases))
         self.indices = list(aliases.values())
         self.model = model
@@ -43,12 +67,10 @@ class StateGraph(torch.nn.Module):
 
     def forward(self, *inputs):
         outs = self.model(*inputs)
-        for state, index in zip(self.states, self.indices):
-            state.copy_(outs[index])
+        kept = written_back(outs, self.states, self.indices)
         if self.return_aliased:
             return tuple(out if i not in self.indices else out.clone() for i, out in enumerate(outs))
-        kept = [out for i, out in enumerate(outs) if i not in self.indices]
-        return kept[0] if len(kept) == 1 else tuple(kept)
+        return kept
 
 
 @contextlib.contextmanager
@@ -57,9 +79,7 @@ def _bound(model: torch.nn.Module, tensors: dict[str, torch.Tensor]):
     ``torch.func.functional_call`` does, which refuses to run under ``torch.jit.trace``)."""
     saved = []
     for name, tensor in tensors.items():
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        table = owner._parameters if attr in owner._parameters else owner._buffers
+        table, attr = slot(model, name)
         saved.append((table, attr, table[attr]))
         table[attr] = tensor
     try:
@@ -77,19 +97,11 @@ class SpmdGraph(torch.nn.Module):
     aliased outputs are written into the state in place (the runtime's input-output aliasing) and left out of the
     result (ModelBuilder's packer, model_builder.py ~1026-1032)."""
 
-    def __init__(self, model, aliases, weight_names: list[str], state_names: list[str]):
+    def __init__(self, model, weight_names: list[str], states: dict[str, int]):
         super().__init__()
-        names = {id(p): n for n, p in model.named_parameters()}
-        for param in aliases:
-            if not isinstance(param, torch.nn.Parameter) or id(param) not in names:
-                raise ValueError("input_output_aliases keys must be parameters of the module get() returned")
-        index = {names[id(p)]: i for p, i in aliases.items()}
-        if sorted(index) != sorted(state_names):
-            raise ValueError(f"the models of one ModelBuilder must share their state: {sorted(index)} against "
-                             f"{sorted(state_names)}")
         self.model = model
-        self.weight_names, self.state_names = weight_names, state_names
-        self.indices = [index[n] for n in state_names]
+        self.weight_names, self.state_names = weight_names, list(states)  # states: ``aliased``'s
+        self.indices = list(states.values())
 
     def forward(self, *inputs):
         *user, bound = inputs  # one list (torch.jit.trace refuses an empty one: a model may have no state)
@@ -100,10 +112,7 @@ class SpmdGraph(torch.nn.Module):
                 outs = self.model(*user)
         finally:
             parallel_state._set_rank_input(None)
-        for tensor, index in zip(tensors[len(self.weight_names):], self.indices):
-            tensor.copy_(outs[index])
-        kept = [out for i, out in enumerate(outs) if i not in self.indices]
-        return kept[0] if len(kept) == 1 else tuple(kept)
+        return written_back(outs, tensors[len(self.weight_names):], self.indices)
 
 
 class SpmdGraphs(torch.nn.Module):
